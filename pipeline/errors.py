@@ -1,0 +1,65 @@
+"""Exception types, one per exit-code class of the CLI contract (DESIGN.md).
+
+    0 success · 1 unexpected error · 2 usage error or invalid recipe/config
+    3 integrity failure (checksum, signature, unsafe or malformed file)
+    4 quality gate failed
+
+Messages name the file, the field or module, expected vs actual, and the fix.
+"""
+
+from __future__ import annotations
+
+
+class QshipError(Exception):
+    """Base class; `exit_code` is what the CLI returns for it."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, path: str | None = None, hint: str | None = None):
+        self.message = message
+        self.path = str(path) if path is not None else None
+        self.hint = hint
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        text = f"{self.path}: {self.message}" if self.path else self.message
+        if self.hint:
+            text += f"\n  fix: {self.hint}"
+        return text
+
+    def to_json(self) -> dict:
+        return {
+            "error": type(self).__name__,
+            "exit_code": self.exit_code,
+            "message": self.message,
+            "path": self.path,
+            "hint": self.hint,
+        }
+
+
+class StageError(QshipError):
+    """Unexpected failure inside a stage (a library crashed, a check after saving failed)."""
+
+    exit_code = 1
+
+
+class UsageError(QshipError):
+    """Bad command line, recipe or config."""
+
+    exit_code = 2
+
+
+class RecipeError(UsageError):
+    """The recipe YAML is invalid (schema, overlap, unmatched target, dtype ...)."""
+
+
+class IntegrityError(QshipError):
+    """A checksum, size, signature or file-safety check failed: fail closed."""
+
+    exit_code = 3
+
+
+class GateFailed(QshipError):
+    """The quality gate rejected the candidate."""
+
+    exit_code = 4
