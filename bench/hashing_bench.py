@@ -1,0 +1,163 @@
+"""Hashing throughput of qship beside `openssl dgst -sha256` and coreutils `sha256sum`.
+
+Measures, on multi-GiB files, in one run (interleaved, median of --repeat):
+  * one file, one core, from the page cache: qship sha256_file, openssl dgst, sha256sum
+  * one file, cold (pages dropped with posix_fadvise DONTNEED before each read)
+  * all files on all cores: qship hash_files (threads) vs the same files sequentially
+and `openssl speed sha256` (16 KiB blocks) as the per-core ceiling. Appends a section to
+bench/RESULTS.md. Target (issue 2): qship >= 0.9x OpenSSL's per-core rate, scaling with
+cores across files.
+
+    .venv/bin/python bench/hashing_bench.py [--size-gib 2] [--files 2] [--dir /tmp/qship-hashbench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pipeline.hashing import hash_files, sha256_file  # noqa: E402
+
+GIB = 1024**3
+
+
+def make_file(path: Path, size: int) -> None:
+    if path.exists() and path.stat().st_size == size:
+        return
+    block = os.urandom(64 * 1024 * 1024)
+    with open(path, "wb") as fh:
+        left = size
+        while left:
+            n = min(left, len(block))
+            fh.write(block[:n])
+            left -= n
+
+
+def drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm(path: Path) -> None:
+    with open(path, "rb", buffering=0) as fh:
+        while fh.read(64 * 1024 * 1024):
+            pass
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def run(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def openssl_speed() -> float:
+    out = subprocess.run(
+        ["openssl", "speed", "-seconds", "3", "-bytes", "16384", "sha256"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    m = re.search(r"^sha256\s+([\d.]+)k", out, re.M)
+    return float(m.group(1)) * 1000 / 1e9  # GB/s
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-gib", type=float, default=2.0)
+    ap.add_argument("--files", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/qship-hashbench"))
+    ap.add_argument("--results", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+
+    size = int(args.size_gib * GIB)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    files = [args.dir / f"blob{i}.bin" for i in range(args.files)]
+    for f in files:
+        make_file(f, size)
+    one = files[0]
+    gb = size / 1e9
+
+    rates: dict[str, list[float]] = {}
+
+    def rec(name: str, seconds: float, nbytes: float = gb) -> None:
+        rates.setdefault(name, []).append(nbytes / seconds)
+
+    for _ in range(args.repeat):
+        warm(one)
+        rec("qship sha256_file (1 core, cached)", timed(lambda: sha256_file(one)))
+        rec("openssl dgst -sha256 (1 core, cached)", timed(lambda: run(["openssl", "dgst", "-sha256", str(one)])))
+        rec("sha256sum (1 core, cached)", timed(lambda: run(["sha256sum", str(one)])))
+        drop_cache(one)
+        rec("qship sha256_file (1 core, cold)", timed(lambda: sha256_file(one)))
+        drop_cache(one)
+        rec("openssl dgst -sha256 (1 core, cold)", timed(lambda: run(["openssl", "dgst", "-sha256", str(one)])))
+        for f in files:
+            warm(f)
+        rels = [f.name for f in files]
+        total = gb * len(files)
+        rec(f"qship hash_files, {len(files)} files, 1 thread (cached)",
+            timed(lambda: hash_files(args.dir, rels, workers=1)), total)
+        rec(f"qship hash_files, {len(files)} files, {len(files)} threads (cached)",
+            timed(lambda: hash_files(args.dir, rels, workers=len(files))), total)
+
+    speed = openssl_speed()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    q1 = med["qship sha256_file (1 core, cached)"]
+    o1 = med["openssl dgst -sha256 (1 core, cached)"]
+    par = med[f"qship hash_files, {len(files)} files, {len(files)} threads (cached)"]
+    seq = med[f"qship hash_files, {len(files)} files, 1 thread (cached)"]
+
+    lines = [
+        f"\n## Hashing throughput — {dt.date.today().isoformat()}\n",
+        f"- machine: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{subprocess.run(['openssl', 'version'], capture_output=True, text=True).stdout.strip()}",
+        f"- command: `.venv/bin/python bench/hashing_bench.py --size-gib {args.size_gib:g} "
+        f"--files {args.files} --repeat {args.repeat}` ({args.files} files of {args.size_gib:g} GiB, "
+        f"median of {args.repeat})",
+        f"- `openssl speed sha256` (16 KiB blocks, 1 core): **{speed:.2f} GB/s**\n",
+        "| what | GB/s |",
+        "|---|---|",
+        *[f"| {k} | {v:.2f} |" for k, v in med.items()],
+        "",
+        f"- qship / `openssl speed` per core: **{q1 / speed:.2f}x** (target >= 0.9x); "
+        f"qship / `openssl dgst` on the same file: {q1 / o1:.2f}x",
+        f"- scaling across files: {par / seq:.2f}x with {len(files)} threads over 1",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if not args.results.exists():
+        args.results.write_text("# Benchmark results\n")
+    with open(args.results, "a") as fh:
+        fh.write(text)
+    if not args.keep:
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
