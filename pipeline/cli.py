@@ -55,6 +55,107 @@ def emit(result: Any, as_json: bool) -> None:
 # --- commands begin (each stage adds its command below; keep them thin) ---
 
 
+# package / verify / publish (pipeline.package, pipeline.verify, pipeline.publish)
+
+
+def _read_json_arg(path: Path, what: str) -> dict:
+    from .errors import UsageError
+
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {what} JSON ({e})", path=str(path)) from e
+    if not isinstance(obj, dict):
+        raise UsageError(f"{what} must be a JSON object", path=str(path))
+    return obj
+
+
+@app.command("package")
+def package_cmd(
+    model_dir: Annotated[Path, typer.Option("--model-dir", help="Quantized checkpoint dir.")],
+    recipe: Annotated[str, typer.Option("--recipe", help="Resolved recipe YAML file.")],
+    eval_path: Annotated[
+        Path, typer.Option("--eval", help="evaluate's JSON; holds 'verdict' unless --verdict.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Artifact directory to create.")],
+    verdict_path: Annotated[
+        Path | None, typer.Option("--verdict", help="Gate verdict JSON.")
+    ] = None,
+    provenance_path: Annotated[
+        Path | None, typer.Option("--provenance", help="Provenance JSON (source, hashes...).")
+    ] = None,
+    sign_key: Annotated[
+        Path | None, typer.Option("--sign-key", help="EC private key (PEM) to sign with.")
+    ] = None,
+    shard_size: Annotated[int, typer.Option("--shard-size", help="Max bytes per shard.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Build the artifact directory (complete or absent)."""
+    from .errors import UsageError
+    from .package import DEFAULT_SHARD_SIZE, package
+
+    ev = _read_json_arg(eval_path, "eval")
+    verdict = _read_json_arg(verdict_path, "verdict") if verdict_path else ev.pop("verdict", None)
+    if verdict is None:
+        raise UsageError(
+            "no verdict: add 'verdict' to the eval JSON or pass --verdict", path=str(eval_path)
+        )
+    prov = _read_json_arg(provenance_path, "provenance") if provenance_path else {}
+    art = package(
+        model_dir=model_dir,
+        out=out,
+        recipe_path_or_text=Path(recipe),
+        eval_json=ev,
+        verdict=verdict,
+        provenance=prov,
+        sign_key=sign_key,
+        shard_size=shard_size or DEFAULT_SHARD_SIZE,
+    )
+    emit(art, as_json)
+
+
+@app.command("verify")
+def verify_cmd(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    require_signature: Annotated[
+        bool, typer.Option("--require-signature", help="Fail unless model.sig verifies.")
+    ] = False,
+    pubkey: Annotated[Path | None, typer.Option("--pubkey", help="EC public key (PEM).")] = None,
+    load: Annotated[bool, typer.Option("--load", help="Also load and run the probe.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """The pre-deploy gate: checksums, file set, safetensors headers, signature."""
+    from .verify import verify
+
+    emit(verify(artifact, require_signature=require_signature, pubkey=pubkey, load=load), as_json)
+
+
+@app.command("publish")
+def publish_cmd(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    to: Annotated[str, typer.Option("--to", help="file:///abs/registry or hf://org/name")],
+    name: Annotated[str | None, typer.Option("--name", help="Registry name.")] = None,
+    version: Annotated[str | None, typer.Option("--version", help="Registry version.")] = None,
+    require_signature: Annotated[bool, typer.Option("--require-signature")] = False,
+    pubkey: Annotated[Path | None, typer.Option("--pubkey", help="EC public key (PEM).")] = None,
+    endpoint: Annotated[str | None, typer.Option("--endpoint", help="Hub endpoint URL.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Publish a gated, verified artifact to a local registry or the Hub."""
+    from .publish import publish
+
+    res = publish(
+        artifact,
+        to,
+        name=name,
+        version=version,
+        pubkey=pubkey,
+        require_signature=require_signature,
+        endpoint=endpoint,
+    )
+    emit(res, as_json)
+
+
 # --- commands end ---
 
 
