@@ -1,0 +1,373 @@
+"""`qship verify`: every integrity fault ends with exit 3 and a message naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.errors import IntegrityError, UsageError
+from pipeline.hashing import format_sha256sums, sha256_file
+from pipeline.verify import SIGNATURE, sign_artifact, verify
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "art"
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def resum(art: Path) -> None:
+    """Rewrite SHA256SUMS to match the files, so a deeper check is what must fail."""
+    rels = sorted(
+        p.relative_to(art).as_posix()
+        for p in art.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.name not in ("SHA256SUMS", SIGNATURE)
+    )
+    (art / "SHA256SUMS").write_text(
+        format_sha256sums({r: sha256_file(art / r).sha256 for r in rels})
+    )
+
+
+def cli_verify(art: Path, *extra: str, capsys) -> tuple[int, dict]:
+    capsys.readouterr()
+    rc = main(["verify", str(art), "--json", *extra])
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+def shard(art: Path, i: int = 2) -> Path:
+    return next(iter(sorted(art.glob(f"model-0000{i}-of-*.safetensors"))))
+
+
+def ec_keypair(dir: Path, name: str) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    priv, pub = dir / f"{name}.pem", dir / f"{name}.pub.pem"
+    priv.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    pub.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return priv, pub
+
+
+# ------------------------------------------------------------------ the good case
+
+
+def test_clean_artifact_passes_and_sha256sum_accepts_it(packaged_artifact, capsys):
+    rep = verify(packaged_artifact)
+    assert rep.tensors > 50 and rep.signature == "absent"
+    rc, out = cli_verify(packaged_artifact, capsys=capsys)
+    assert rc == 0 and out["ok"] is True
+    r = subprocess.run(
+        ["sha256sum", "--strict", "-c", "SHA256SUMS"],
+        cwd=packaged_artifact,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_real_subprocess_exit_code(packaged_artifact, tmp_path):
+    art = copy(packaged_artifact, tmp_path)
+    (art / "README.md").write_text("tampered\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "verify", str(art)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 3
+    assert "README.md" in r.stderr
+
+
+# ------------------------------------------------------------------ file-set faults
+
+
+def test_flipped_byte_in_a_shard(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    s = shard(art)
+    data = bytearray(s.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    s.write_bytes(bytes(data))
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and out["exit_code"] == 3
+    assert s.name in out["path"] and "sha256" in out["message"]
+
+
+def test_missing_file(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    (art / "tokenizer.json").unlink()
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3
+    assert "tokenizer.json" in out["path"] and "absent" in out["message"]
+
+
+def test_missing_file_and_its_line(packaged_artifact, tmp_path, capsys):
+    """Deleting a required file together with its SHA256SUMS line is still caught."""
+    art = copy(packaged_artifact, tmp_path)
+    (art / "provenance.json").unlink()
+    resum(art)
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and "provenance.json" in out["message"]
+
+
+def test_extra_file(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    (art / "notes.txt").write_text("hello\n")
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3
+    assert "notes.txt" in out["path"] and "not listed" in out["message"]
+
+
+def test_extra_file_in_a_subfolder(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    (art / "sub").mkdir()
+    (art / "sub" / "payload.py").write_text("import os\n")
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and "sub/payload.py" in out["message"]
+
+
+def test_renamed_file_names_both(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    os.rename(art / "generation_config.json", art / "generation-config.json")
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3
+    assert "generation_config.json" in out["message"]
+    assert "generation-config.json" in out["message"]
+    assert "renamed" in out["message"]
+
+
+@pytest.mark.parametrize("bad", ["../evil.txt", "/etc/passwd", "sub/../../x", "./config.json"])
+def test_unsafe_sha256sums_entry(packaged_artifact, tmp_path, capsys, bad):
+    art = copy(packaged_artifact, tmp_path)
+    with open(art / "SHA256SUMS", "a") as fh:
+        fh.write(f"{'0' * 64}  {bad}\n")
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3
+    assert "SHA256SUMS" in out["path"] and "unsafe path" in out["message"]
+
+
+def test_sha256sums_missing_or_garbage(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    (art / "SHA256SUMS").write_bytes(b"\xff\xfe not text")
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and "SHA256SUMS" in out["path"]
+    (art / "SHA256SUMS").unlink()
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and "SHA256SUMS" in out["path"]
+
+
+def test_symlink_in_the_artifact(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    target = art / "tokenizer.json"
+    moved = tmp_path / "outside.json"
+    shutil.move(target, moved)
+    target.symlink_to(moved)  # same bytes, so only the symlink rule catches it
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3
+    assert "tokenizer.json" in out["path"] and "symlink" in out["message"]
+
+
+def test_symlinked_folder_in_the_artifact(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    (art / "extras").symlink_to(tmp_path)
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and "extras" in out["path"] and "symlink" in out["message"]
+
+
+# ------------------------------------------------------------------ safetensors faults
+
+
+def test_truncated_safetensors(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    s = shard(art)
+    data = s.read_bytes()
+    s.write_bytes(data[: len(data) - 1000])
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and s.name in out["path"]
+    resum(art)  # even with matching checksums the header check rejects it
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and s.name in out["path"] and "truncated" in out["message"]
+
+
+@pytest.mark.parametrize("length", [2**63, 100 * 1024 * 1024 + 1, 10**9])
+def test_absurd_header_length(packaged_artifact, tmp_path, capsys, length):
+    art = copy(packaged_artifact, tmp_path)
+    s = shard(art, 1)
+    data = bytearray(s.read_bytes())
+    data[:8] = struct.pack("<Q", length)
+    s.write_bytes(bytes(data))
+    resum(art)
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and s.name in out["path"] and "header length" in out["message"]
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+def test_overlapping_offsets(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    s = shard(art, 2)
+
+    def edit(h):
+        names = sorted(k for k in h if k != "__metadata__")
+        a, b = h[names[0]], h[names[1]]
+        # make b claim a's bytes (same span length is not guaranteed: use a's span)
+        b["data_offsets"] = list(a["data_offsets"])
+        b["shape"], b["dtype"] = a["shape"], a["dtype"]
+
+    _rewrite_header(s, edit)
+    resum(art)
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and s.name in out["path"]
+    assert "overlaps" in out["message"] or "gap" in out["message"]
+
+
+def _edit_config(art: Path, edit) -> None:
+    cfg = json.loads((art / "config.json").read_text())
+    edit(cfg)
+    (art / "config.json").write_text(json.dumps(cfg, indent=2))
+    resum(art)
+
+
+@pytest.mark.parametrize(
+    "edit,expect",
+    [
+        (lambda c: c.update(hidden_size=256), "hidden_size"),
+        (lambda c: c.update(vocab_size=4096), "vocab_size"),
+        (lambda c: c.update(num_hidden_layers=6), "num_hidden_layers"),
+        (lambda c: c.update(intermediate_size=512), "expected"),
+        (lambda c: c.update(dtype="float16"), "dtype"),
+        (
+            lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+                group_size=64
+            ),
+            "weight_scale shape",
+        ),
+        (
+            lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+                num_bits=8
+            ),
+            "weight_packed shape",
+        ),
+        (
+            lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+                symmetric=False
+            ),
+            "weight_zero_point missing",
+        ),
+        (lambda c: c["quantization_config"].update(ignore=["lm_head", "re:.*q_proj"]), "ignore"),
+        (lambda c: c.pop("quantization_config"), "quantization_config"),
+    ],
+)
+def test_weights_inconsistent_with_config(packaged_artifact, tmp_path, capsys, edit, expect):
+    art = copy(packaged_artifact, tmp_path)
+    _edit_config(art, edit)
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3, out
+    assert expect in out["message"]
+    assert out["path"].startswith(str(art))
+
+
+def test_index_pointing_at_the_wrong_shard(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    idx = json.loads((art / "model.safetensors.index.json").read_text())
+    name = sorted(idx["weight_map"])[0]
+    idx["weight_map"][name] = "model-00003-of-00003.safetensors"
+    (art / "model.safetensors.index.json").write_text(json.dumps(idx))
+    resum(art)
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and "model.safetensors.index.json" in out["path"]
+
+
+# ------------------------------------------------------------------ signatures
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    return {"a": ec_keypair(d, "a"), "b": ec_keypair(d, "b")}
+
+
+def test_signature_roundtrip_and_faults(packaged_artifact, tmp_path, capsys, keys):
+    (priv_a, pub_a), (priv_b, pub_b) = keys["a"], keys["b"]
+    art = copy(packaged_artifact, tmp_path)
+
+    # unsigned + --require-signature -> 3
+    rc, out = cli_verify(art, "--require-signature", "--pubkey", str(pub_a), capsys=capsys)
+    assert rc == 3 and SIGNATURE in out["path"] and "unsigned" in out["message"]
+
+    sign_artifact(art, priv_a)
+    rc, out = cli_verify(art, "--require-signature", "--pubkey", str(pub_a), capsys=capsys)
+    assert rc == 0 and out["signature"] == "verified"
+    # present but no key: passes with a warning; required without a key: usage error
+    assert verify(art).signature == "present-unverified"
+    with pytest.raises(UsageError):
+        verify(art, require_signature=True)
+
+    # re-signed by another key -> 3 with key a
+    sign_artifact(art, priv_b)
+    rc, out = cli_verify(art, "--require-signature", "--pubkey", str(pub_a), capsys=capsys)
+    assert (
+        rc == 3 and SIGNATURE in out["path"] and "signature verification failed" in out["message"]
+    )
+    assert verify(art, require_signature=True, pubkey=pub_b).signature == "verified"
+
+    # signed by a, then modified with SHA256SUMS regenerated: only the signature catches it
+    sign_artifact(art, priv_a)
+    (art / "README.md").write_text((art / "README.md").read_text() + "\nextra claims\n")
+    resum(art)
+    rc, out = cli_verify(art, "--pubkey", str(pub_a), capsys=capsys)
+    assert rc == 3 and SIGNATURE in out["path"]
+
+
+def test_sha256sums_may_not_list_the_signature(packaged_artifact, tmp_path, capsys):
+    art = copy(packaged_artifact, tmp_path)
+    (art / SIGNATURE).write_text("{}")
+    with open(art / "SHA256SUMS", "a") as fh:
+        fh.write(f"{sha256_file(art / SIGNATURE).sha256}  {SIGNATURE}\n")
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and "never covered" in out["message"]
+
+
+# ------------------------------------------------------------------ --load
+
+
+def test_load_smoke_test(packaged_artifact, tmp_path, capsys):
+    rep = verify(packaged_artifact, load=True)
+    assert rep.load == "matched"
+    art = copy(packaged_artifact, tmp_path)
+    ev = json.loads((art / "eval.json").read_text())
+    ev["probe"]["top_logits"][0][0] += 1.0
+    (art / "eval.json").write_text(json.dumps(ev))
+    resum(art)
+    with pytest.raises(IntegrityError) as e:
+        verify(art, load=True)
+    assert "probe mismatch" in e.value.message and "eval.json" in e.value.path
