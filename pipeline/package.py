@@ -334,7 +334,12 @@ def package(
         )
         license_ = src.get("license") or provenance.get("license")
         recipe_name = str(recipe_obj.get("name") or "recipe")
-        art_name = name or out.name
+        # the name comes from the inputs, not from `out`, so that any --out gives the same bytes
+        art_name = name or (
+            f"{str(base_model).rstrip('/').rsplit('/', 1)[-1]}-{recipe_name}"
+            if base_model
+            else out.name
+        )
         (tmp / "README.md").write_text(
             model_card.render(
                 name=art_name,

@@ -1,0 +1,272 @@
+"""`qship package`: layout, determinism, atomicity (incl. SIGKILL mid-package), bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+import pipeline.package as P
+from pipeline.cli import main
+from pipeline.errors import IntegrityError, UsageError
+from pipeline.hashing import parse_sha256sums
+from pipeline.verify import verify
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def partials(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".partial-" in p.name)
+
+
+def test_artifact_layout(packaged_artifact, tiny_quantized_dir):
+    art = packaged_artifact
+    names = sorted(p.name for p in art.iterdir())
+    shards = [n for n in names if n.endswith(".safetensors")]
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    for f in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "recipe.yaml",
+        "eval.json",
+        "provenance.json",
+        "README.md",
+        "SHA256SUMS",
+        "model.safetensors.index.json",
+    ):
+        assert f in names, f
+    assert oct(art.stat().st_mode & 0o777) != oct(0o700)  # readable by others (umask)
+    sums = parse_sha256sums((art / "SHA256SUMS").read_bytes())
+    assert set(sums) == set(names) - {"SHA256SUMS"}
+    cfg = json.loads((art / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "pack-quantized"
+    assert (art / "config.json").read_bytes() == (tiny_quantized_dir / "config.json").read_bytes()
+
+    # same tensors, bit for bit, sorted, fixed metadata, and the index agrees
+    idx = json.loads((art / "model.safetensors.index.json").read_text())
+    src = {}
+    with safe_open(str(tiny_quantized_dir / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            src[k] = f.get_tensor(k)
+    seen = set()
+    for s in shards:
+        with safe_open(str(art / s), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for k in f.keys():
+                assert idx["weight_map"][k] == s
+                t = f.get_tensor(k)
+                assert t.dtype == src[k].dtype and torch.equal(t, src[k]), k
+                seen.add(k)
+    assert seen == set(src) == set(idx["weight_map"])
+    assert idx["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in src.values())
+
+    ev = json.loads((art / "eval.json").read_text())
+    assert ev["verdict"]["passed"] is True and ev["kl"]["mean"] == 0.12
+    assert ev["probe"]["format"] == "qship-probe-v1" and ev["probe"]["prompt_ids"]
+    prov = json.loads((art / "provenance.json").read_text())
+    assert prov["source"]["repo_id"] == "qship-tests/tiny-llama"
+    assert prov["calibration"]["sha256"] == "2" * 64
+    assert len(prov["recipe"]["sha256"]) == 64 and prov["recipe"]["name"] == "w4a16-rtn"
+    assert "model.safetensors" in prov["quantized_checkpoint"]
+    assert prov["library_versions"]["llmcompressor"] == "0.14.0.1"
+    assert "git_commit" in prov["qship"]
+    assert prov["timings"]["quantize_s"] == 1.0 and "package.package_s" in prov["timings"]
+
+
+def test_model_card(packaged_artifact):
+    text = (packaged_artifact / "README.md").read_text()
+    assert text.startswith("---\n")
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert front["base_model"] == "qship-tests/tiny-llama"
+    assert front["license"] == "apache-2.0"
+    assert {"qship", "quantized", "compressed-tensors", "int4"} <= set(front["tags"])
+    assert "| kl_mean_max | 0.12 | 0.5 | yes |" in text
+    assert "| kl.mean | 0.12 |" in text
+    assert "PASSED" in text
+    assert 'kv_cache_dtype="fp8"' in text and "AutoModelForCausalLM.from_pretrained" in text
+
+
+def test_deterministic(package_inputs, tmp_path, monkeypatch):
+    """Package twice: byte-identical except provenance.json timings (and its SHA256SUMS line)."""
+    monkeypatch.setattr(P, "_qship_commit", lambda: {"git_commit": "f" * 40, "dirty": False})
+    a = P.package(out=tmp_path / "a", **package_inputs).path
+    time.sleep(0.05)
+    b = P.package(out=tmp_path / "b", **package_inputs).path
+    fa = sorted(p.name for p in a.iterdir())
+    assert fa == sorted(p.name for p in b.iterdir())
+    for name in fa:
+        if name in ("provenance.json", "SHA256SUMS"):
+            continue
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    pa, pb = (json.loads((d / "provenance.json").read_text()) for d in (a, b))
+    pa.pop("timings"), pb.pop("timings")
+    assert pa == pb
+    sa, sb = (parse_sha256sums((d / "SHA256SUMS").read_bytes()) for d in (a, b))
+    sa.pop("provenance.json"), sb.pop("provenance.json")
+    assert sa == sb
+
+
+def test_single_shard_and_signing(package_inputs, tmp_path):
+    from test_verify import ec_keypair
+
+    priv, pub = ec_keypair(tmp_path, "k")
+    inputs = {**package_inputs, "shard_size": P.DEFAULT_SHARD_SIZE}
+    art = P.package(out=tmp_path / "one", sign_key=priv, **inputs)
+    names = sorted(p.name for p in art.path.iterdir())
+    assert "model.safetensors" in names and "model.safetensors.index.json" not in names
+    assert art.signed and "model.sig" in names
+    assert "model.sig" not in parse_sha256sums((art.path / "SHA256SUMS").read_bytes())
+    rep = verify(art.path, require_signature=True, pubkey=pub)
+    assert rep.signature == "verified"
+
+
+def test_existing_output_is_never_overwritten(package_inputs, tmp_path):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(UsageError) as e:
+        P.package(out=out, **package_inputs)
+    assert str(out) in str(e.value)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert partials(tmp_path) == []
+
+
+def test_bad_inputs(package_inputs, tiny_quantized_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "model"
+    shutil.copytree(tiny_quantized_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    inputs = {**package_inputs, "model_dir": bad}
+    with pytest.raises(UsageError, match="quantization_config"):
+        P.package(out=tmp_path / "o1", **inputs)
+
+    shutil.copyfile(tiny_quantized_dir / "config.json", bad / "config.json")
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:-10])  # truncated input weights
+    with pytest.raises(IntegrityError) as e:
+        P.package(out=tmp_path / "o2", **inputs)
+    assert "model.safetensors" in e.value.path
+
+    with pytest.raises(UsageError, match="verdict"):
+        P.package(out=tmp_path / "o3", **{**package_inputs, "verdict": {"checks": []}})
+    with pytest.raises(UsageError, match="YAML"):
+        P.package(out=tmp_path / "o4", **{**package_inputs, "recipe_path_or_text": "a: [1\n"})
+    with pytest.raises(UsageError, match="not found"):
+        P.package(out=tmp_path / "o5", **{**package_inputs, "recipe_path_or_text": "nope.yaml"})
+    for o in ("o1", "o2", "o3", "o4", "o5"):
+        assert not (tmp_path / o).exists()
+    assert partials(tmp_path) == []
+
+
+def test_failure_inside_leaves_nothing(package_inputs, tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("simulated crash while fingerprinting")
+
+    monkeypatch.setattr(P, "fingerprint", boom)
+    with pytest.raises(RuntimeError):
+        P.package(out=tmp_path / "art", **package_inputs)
+    assert not (tmp_path / "art").exists() and partials(tmp_path) == []
+
+
+KILL_SCRIPT = r"""
+import json, sys, time
+from pathlib import Path
+import pipeline.package as P
+
+point, marker, args = sys.argv[1], Path(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text())
+orig = getattr(P, point)
+calls = [0]
+
+def hang(*a, **k):
+    calls[0] += 1
+    if calls[0] == 3 or point != "_copy_tensor_data":
+        marker.write_text("inside")
+        time.sleep(300)
+    return orig(*a, **k)
+
+setattr(P, point, hang)
+P.package(out=Path(args.pop("out")), model_dir=Path(args.pop("model_dir")), **args)
+"""
+
+
+@pytest.mark.parametrize("point", ["_copy_tensor_data", "fingerprint"])
+def test_sigkill_mid_package_then_rerun(package_inputs, tmp_path, point):
+    out = tmp_path / "reg" / "art"
+    args = {k: (str(v) if isinstance(v, Path) else v) for k, v in package_inputs.items()}
+    args["out"] = str(out)
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    (tmp_path / "kill.py").write_text(KILL_SCRIPT)
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(tmp_path / "kill.py"),
+            point,
+            str(marker),
+            str(tmp_path / "args.json"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        deadline = time.time() + 180
+        while not marker.exists():
+            assert proc.poll() is None, f"packager exited early with {proc.returncode}"
+            assert time.time() < deadline, "packager never reached the kill point"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not out.exists()  # no artifact, not even a partial one under its name
+    left = partials(out.parent)
+    assert left and all(n.startswith(".art.partial-") for n in left)
+    # the rerun completes, cleans the dead writer's leftovers, and verifies
+    art = P.package(out=out, **package_inputs)
+    assert verify(art.path).ok
+    assert partials(out.parent) == []
+
+
+def test_cli_package(package_inputs, tmp_path, capsys):
+    ev = {**package_inputs["eval_json"], "verdict": package_inputs["verdict"]}
+    (tmp_path / "eval.json").write_text(json.dumps(ev))
+    (tmp_path / "recipe.yaml").write_text(package_inputs["recipe_path_or_text"])
+    (tmp_path / "prov.json").write_text(json.dumps(package_inputs["provenance"]))
+    argv = [
+        "package",
+        "--model-dir",
+        str(package_inputs["model_dir"]),
+        "--recipe",
+        str(tmp_path / "recipe.yaml"),
+        "--eval",
+        str(tmp_path / "eval.json"),
+        "--provenance",
+        str(tmp_path / "prov.json"),
+        "--out",
+        str(tmp_path / "art"),
+        "--json",
+    ]
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict_passed"] is True and out["shards"] == ["model.safetensors"]
+    assert main(argv) == 2  # second time: output exists
+    err = json.loads(capsys.readouterr().out)
+    assert err["exit_code"] == 2 and err["path"] == str(tmp_path / "art")
+    assert main(["verify", str(tmp_path / "art")]) == 0
