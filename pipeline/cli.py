@@ -88,6 +88,9 @@ def package_cmd(
         Path | None, typer.Option("--sign-key", help="EC private key (PEM) to sign with.")
     ] = None,
     shard_size: Annotated[int, typer.Option("--shard-size", help="Max bytes per shard.")] = 0,
+    no_probe: Annotated[
+        bool, typer.Option("--no-probe", help="Skip the fp32 CPU load-probe fingerprint.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Build the artifact directory (complete or absent)."""
@@ -110,6 +113,7 @@ def package_cmd(
         provenance=prov,
         sign_key=sign_key,
         shard_size=shard_size or DEFAULT_SHARD_SIZE,
+        probe=not no_probe,
     )
     emit(art, as_json)
 
@@ -122,12 +126,16 @@ def verify_cmd(
     ] = False,
     pubkey: Annotated[Path | None, typer.Option("--pubkey", help="EC public key (PEM).")] = None,
     load: Annotated[bool, typer.Option("--load", help="Also load and run the probe.")] = False,
+    atol: Annotated[float, typer.Option("--atol", help="Probe logit tolerance.")] = 0.05,
     as_json: JsonOpt = False,
 ) -> None:
     """The pre-deploy gate: checksums, file set, safetensors headers, signature."""
     from .verify import verify
 
-    emit(verify(artifact, require_signature=require_signature, pubkey=pubkey, load=load), as_json)
+    report = verify(
+        artifact, require_signature=require_signature, pubkey=pubkey, load=load, atol=atol
+    )
+    emit(report, as_json)
 
 
 @app.command("publish")

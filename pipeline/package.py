@@ -263,7 +263,13 @@ def package(
     probe_prompt_ids: list[int] | None = None,
     name: str | None = None,
     overwrite: bool = False,
+    probe: bool = True,
 ) -> Artifact:
+    """Build the artifact at `out` (see the module docstring); returns its Artifact.
+
+    probe=False skips the load-probe fingerprint (it loads the model in float32 on CPU,
+    which a large model may not fit); `verify --load` then has nothing to compare with.
+    """
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     model_dir, out = Path(model_dir), Path(out)
@@ -319,10 +325,13 @@ def package(
 
         t = time.perf_counter()
         vocab = (config.get("text_config") or config).get("vocab_size")
-        ids = probe_prompt_ids or _probe_ids(model_dir, vocab if isinstance(vocab, int) else None)
-        probe = fingerprint(tmp, ids)
+        ev = {**eval_json, "verdict": verdict}
+        if probe:
+            ids = probe_prompt_ids or _probe_ids(
+                model_dir, vocab if isinstance(vocab, int) else None
+            )
+            ev["probe"] = fingerprint(tmp, ids)
         timings["probe_s"] = round(time.perf_counter() - t, 3)
-        ev = {**eval_json, "verdict": verdict, "probe": probe}
         (tmp / "eval.json").write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
 
         recipe_sha = sha256_bytes(recipe_text.encode("utf-8"))

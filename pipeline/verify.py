@@ -115,7 +115,12 @@ def _read_json(path: Path, problems: _Problems, rel: str) -> dict | None:
 def scan_tree(root: Path, problems: _Problems) -> list[str]:
     """Regular files below root (sorted relpaths); symlinks and special files are problems."""
     out = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+
+    def unreadable(err: OSError) -> None:
+        rel = Path(err.filename).relative_to(root).as_posix() if err.filename else "."
+        problems.add(rel, f"cannot be listed ({err.strerror})")
+
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=unreadable):
         base = Path(dirpath)
         for name in sorted(dirnames + filenames):
             p = base / name

@@ -371,3 +371,14 @@ def test_load_smoke_test(packaged_artifact, tmp_path, capsys):
     with pytest.raises(IntegrityError) as e:
         verify(art, load=True)
     assert "probe mismatch" in e.value.message and "eval.json" in e.value.path
+
+
+def test_load_without_stored_probe(package_inputs, tmp_path):
+    from pipeline.package import package
+
+    art = package(out=tmp_path / "noprobe", probe=False, **package_inputs).path
+    assert "probe" not in json.loads((art / "eval.json").read_text())
+    assert verify(art).ok
+    with pytest.raises(IntegrityError) as e:
+        verify(art, load=True)
+    assert e.value.path.endswith("eval.json") and "probe" in e.value.message
