@@ -53,6 +53,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+TOKENIZER_KEYS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one must exist
+# Only these are copied; anything else in model_dir (e.g. llm-compressor's own recipe.yaml,
+# an upstream README) is left out: the artifact's recipe.yaml is the resolved qship recipe.
 COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 PROBE_TEXT = "The capital of France is"
 ST_METADATA = {"format": "pt"}
@@ -297,6 +300,12 @@ def package(
     recipe_text = _load_recipe_text(recipe_path_or_text)
     recipe_obj = yaml.safe_load(recipe_text)
     headers = _source_weights(model_dir)
+    if not any((model_dir / f).is_file() for f in TOKENIZER_KEYS):
+        raise UsageError(
+            f"no tokenizer in the model directory (expected one of {list(TOKENIZER_KEYS)})",
+            path=str(model_dir),
+            hint="save the tokenizer next to the quantized weights (tokenizer.save_pretrained)",
+        )
     if out.exists() and not overwrite:
         raise UsageError(
             "output already exists; an artifact is never overwritten silently",

@@ -9,8 +9,8 @@ whose `path` is the first offending file and whose message lists them all):
    and every file present is listed, except `SHA256SUMS` itself and the signature file
    `model.sig` (written after SHA256SUMS, it signs every other file including
    SHA256SUMS). A renamed file shows up as one missing and one extra file; both are named;
-3. the required files are there (config.json with quantization_config, weights,
-   eval.json, provenance.json, recipe.yaml, README.md);
+3. the required files are there (config.json with quantization_config, weights, a
+   tokenizer, eval.json, provenance.json, recipe.yaml, README.md);
 4. every `*.safetensors` header is well-formed (safetensors_header.parse_header), the
    index (when sharded) maps every tensor to the shard that holds it, and the tensors
    agree with config.json: dims (vocab, hidden, layers, heads, intermediate) where the
@@ -172,6 +172,10 @@ def check_sums(root: Path, report: VerifyReport) -> dict[str, str]:
     for rel in REQUIRED:
         if rel not in present and rel not in missing:
             problems.add(rel, "required file absent (and not listed in SHA256SUMS)")
+    if not any(r in present for r in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        problems.add(
+            "tokenizer.json", "no tokenizer (tokenizer.json / tokenizer.model / vocab.json)"
+        )
     if not any(r.endswith(".safetensors") for r in present):
         problems.add("model.safetensors", "no *.safetensors weight file in the artifact")
     problems.raise_if_any("integrity check")

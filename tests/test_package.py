@@ -161,13 +161,19 @@ def test_bad_inputs(package_inputs, tiny_quantized_dir, tmp_path):
         P.package(out=tmp_path / "o2", **inputs)
     assert "model.safetensors" in e.value.path
 
+    notok = tmp_path / "notok"
+    shutil.copytree(tiny_quantized_dir, notok)
+    (notok / "tokenizer.json").unlink()
+    with pytest.raises(UsageError, match="tokenizer"):
+        P.package(out=tmp_path / "o6", **{**package_inputs, "model_dir": notok})
+
     with pytest.raises(UsageError, match="verdict"):
         P.package(out=tmp_path / "o3", **{**package_inputs, "verdict": {"checks": []}})
     with pytest.raises(UsageError, match="YAML"):
         P.package(out=tmp_path / "o4", **{**package_inputs, "recipe_path_or_text": "a: [1\n"})
     with pytest.raises(UsageError, match="not found"):
         P.package(out=tmp_path / "o5", **{**package_inputs, "recipe_path_or_text": "nope.yaml"})
-    for o in ("o1", "o2", "o3", "o4", "o5"):
+    for o in ("o1", "o2", "o3", "o4", "o5", "o6"):
         assert not (tmp_path / o).exists()
     assert partials(tmp_path) == []
 

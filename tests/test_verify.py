@@ -285,6 +285,12 @@ def _edit_config(art: Path, edit) -> None:
         ),
         (lambda c: c["quantization_config"].update(ignore=["lm_head", "re:.*q_proj"]), "ignore"),
         (lambda c: c.pop("quantization_config"), "quantization_config"),
+        (
+            lambda c: c["quantization_config"].update(
+                kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}
+            ),
+            "self_attn.k_scale",
+        ),
     ],
 )
 def test_weights_inconsistent_with_config(packaged_artifact, tmp_path, capsys, edit, expect):
@@ -382,3 +388,85 @@ def test_load_without_stored_probe(package_inputs, tmp_path):
     with pytest.raises(IntegrityError) as e:
         verify(art, load=True)
     assert e.value.path.endswith("eval.json") and "probe" in e.value.message
+
+
+# ------------------------------------------------------------------ mixed recipe checkpoint
+
+
+@pytest.fixture(scope="module")
+def mixed_artifact(tmp_path_factory, tiny_llama):
+    """A real mixed checkpoint: attention int4 asym (packed zero points), MLP int4 sym,
+    regex targets, FP8 KV cache with static scales (calibrated on 8 x 64 tokens)."""
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.package import package
+
+    d = tmp_path_factory.mktemp("mixed")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16)
+        tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+
+        def w(sym):
+            return {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": sym,
+                "strategy": "group",
+                "group_size": 128,
+            }
+
+        recipe = QuantizationModifier(
+            config_groups={
+                "attn": {"targets": [r"re:.*self_attn\.(q|k|v|o)_proj$"], "weights": w(False)},
+                "mlp": {"targets": [r"re:.*mlp\.(gate|up|down)_proj$"], "weights": w(True)},
+            },
+            kv_cache_scheme={
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "tensor",
+                "dynamic": False,
+                "symmetric": True,
+            },
+            ignore=["lm_head"],
+        )
+        ids = [[(i * 7 + j * 13) % 2000 + 4 for j in range(64)] for i in range(8)]
+        ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 64] * 8})
+        oneshot(
+            model=model, recipe=recipe, dataset=ds, num_calibration_samples=8, max_seq_length=64
+        )
+        model.save_pretrained(str(d / "model"), save_compressed=True)
+        tok.save_pretrained(str(d / "model"))
+    finally:
+        torch.set_num_threads(threads)
+    verdict = {"passed": True, "checks": []}
+    return package(
+        model_dir=d / "model",
+        out=d / "art",
+        recipe_path_or_text="name: mixed\n",
+        eval_json={},
+        verdict=verdict,
+        provenance={},
+    ).path
+
+
+def test_mixed_checkpoint_verifies_and_is_checked_strictly(mixed_artifact, tmp_path, capsys):
+    rep = verify(mixed_artifact, load=True)
+    assert rep.load == "matched"
+    text = (mixed_artifact / "README.md").read_text()
+    assert "fp8-kv-cache" in text and 'kv_cache_dtype="fp8"' in text
+
+    def swap(c):
+        g = c["quantization_config"]["config_groups"]
+        g["group_0"]["weights"]["symmetric"], g["group_1"]["weights"]["symmetric"] = True, False
+
+    art = copy(mixed_artifact, tmp_path)
+    _edit_config(art, swap)
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and "weight_zero_point present but the group is symmetric" in out["message"]
+    assert "weight_zero_point missing but the group is asymmetric" in out["message"]
