@@ -164,6 +164,48 @@ def publish_cmd(
     emit(res, as_json)
 
 
+# plan / quantize (pipeline.recipe, pipeline.plan, pipeline.calibration, pipeline.quantize)
+
+
+@app.command("plan")
+def plan_cmd(
+    model: Annotated[Path, typer.Option("--model", help="Local checkpoint directory.")],
+    recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Show every Linear module's group, method and scheme, the AWQ mappings and the size."""
+    from .plan import plan_for_dir
+    from .recipe import load_recipe
+
+    emit(plan_for_dir(model, load_recipe(recipe)), as_json)
+
+
+@app.command("quantize")
+def quantize_cmd(
+    model: Annotated[Path, typer.Option("--model", help="Local checkpoint directory.")],
+    recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory (must not exist).")],
+    device: Annotated[str | None, typer.Option("--device", help="cuda / cpu (default: GPU if present).")] = None,
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Calibrate, quantize and save a compressed-tensors checkpoint, checked against the plan."""
+    from transformers import AutoTokenizer
+
+    from .calibration import build_token_sets
+    from .plan import load_meta_model
+    from .quantize import quantize
+    from .recipe import load_recipe
+    from .recipe import validate_for_model as _validate
+
+    r = load_recipe(recipe)
+    _validate(r, load_meta_model(model))  # invalid recipe: exit 2 before any compute
+    tokens = build_token_sets(
+        AutoTokenizer.from_pretrained(model), r.calibration, r.evaluation, cache_dir=cache_root(cache_dir)
+    )
+    emit(quantize(model, r, out, token_sets=tokens, device=device), as_json)
+
+
 # --- commands end ---
 
 

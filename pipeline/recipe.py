@@ -1,0 +1,371 @@
+"""Recipe schema: one YAML file = one quantization plan + its calibration, evaluation and gates.
+
+Top-level keys (all others are an error):
+
+    name, description
+    dtype        bfloat16 | float16 | float32   -- for everything that stays unquantized
+    groups       [{name, targets: [...], method: awq|gptq|rtn|none,
+                   scheme: {bits, symmetric, group_size}, options: {...}}]
+    kv_cache     {scheme: fp8_e4m3, strategy: tensor, dynamic: false} | null
+    calibration  {source, num_samples, seq_len, batch_size, seed}
+    evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit}
+    gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {score_drop_max}}}
+
+Targets are matched exactly as llm-compressor / compressed-tensors match them (the plan
+uses the library's own matcher, so plan and engine cannot disagree): `re:<regex>` is
+`re.match` against the module name (anchored at the start only; end it with `$` for an
+exact suffix), anything else is an exact module name or a module class name (`Linear`).
+
+Checks that need the model (overlaps, unmatched targets, group-size divisibility, fp16 on
+Gemma) live in `validate_for_model`, called by the plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import RecipeError
+
+Method = Literal["awq", "gptq", "rtn", "none"]
+DType = Literal["bfloat16", "float16", "float32"]
+
+_GPTQ_OPTIONS = {"dampening_frac", "actorder", "block_size"}
+_AWQ_OPTIONS = {"n_grid", "duo_scaling"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Scheme(_Strict):
+    """Integer weight scheme. group_size null = one scale per output channel."""
+
+    bits: Literal[4, 8] = 4
+    symmetric: bool = True
+    group_size: int | None = 128
+
+    @field_validator("group_size")
+    @classmethod
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError("group_size must be a positive integer or null (per channel)")
+        return v
+
+    def label(self) -> str:
+        kind = "sym" if self.symmetric else "asym"
+        grp = f"g{self.group_size}" if self.group_size else "per-channel"
+        return f"int{self.bits} {kind} {grp}"
+
+
+class Options(_Strict):
+    """Method options. GPTQ: dampening_frac, actorder, block_size. AWQ: n_grid, duo_scaling."""
+
+    dampening_frac: float | None = Field(default=None, gt=0, lt=1)
+    actorder: Literal["static", "group", "weight"] | None = None
+    block_size: int | None = Field(default=None, gt=0)
+    n_grid: int | None = Field(default=None, gt=0)
+    duo_scaling: bool | Literal["both"] | None = None
+
+    def given(self) -> set[str]:
+        return {k for k, v in self.model_dump().items() if v is not None}
+
+
+class Group(_Strict):
+    name: str = Field(min_length=1)
+    targets: list[str] = Field(min_length=1)
+    method: Method
+    scheme: Scheme | None = None
+    options: Options = Field(default_factory=Options)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Group:
+        if self.method == "none":
+            if self.scheme is not None:
+                raise ValueError(
+                    "method 'none' keeps weights in 16-bit and takes no scheme; "
+                    "delete `scheme` or choose awq/gptq/rtn"
+                )
+        elif self.scheme is None:
+            raise ValueError(
+                f"method '{self.method}' needs a `scheme` (bits, symmetric, group_size)"
+            )
+        allowed = {"gptq": _GPTQ_OPTIONS, "awq": _AWQ_OPTIONS}.get(self.method, set())
+        bad = self.options.given() - allowed
+        if bad:
+            raise ValueError(
+                f"options {sorted(bad)} do not apply to method '{self.method}' "
+                f"(allowed: {sorted(allowed) or 'none'}); delete them"
+            )
+        for t in self.targets:
+            if t.startswith("re:"):
+                import re
+
+                try:
+                    re.compile(t[3:])
+                except re.error as e:
+                    raise ValueError(f"target {t!r} is not a valid regex ({e})") from e
+        return self
+
+
+class KVCache(_Strict):
+    scheme: Literal["fp8_e4m3"] = "fp8_e4m3"
+    strategy: Literal["tensor"] = "tensor"
+    dynamic: Literal[False] = False
+
+
+class CalibrationConfig(_Strict):
+    source: str = "builtin:english"
+    num_samples: int = Field(default=128, gt=0)
+    seq_len: int = Field(default=512, gt=1)
+    batch_size: int = Field(default=16, gt=0)
+    seed: int = 0
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if v.startswith("builtin:") and v != "builtin:english":
+            raise ValueError("the only builtin corpus is 'builtin:english'")
+        if v.startswith("hf:") and len(v) <= 3:
+            raise ValueError("write 'hf:<dataset>[:config]'")
+        return v
+
+
+class EvaluationConfig(_Strict):
+    sequences: int = Field(default=32, gt=0)
+    seq_len: int = Field(default=512, gt=1)
+    batch_size: int = Field(default=4, gt=0)
+    tasks: list[str] = Field(default_factory=list)
+    hub_tasks: list[str] = Field(default_factory=list)
+    limit: int | None = Field(default=None, gt=0)
+
+
+class TaskGate(_Strict):
+    score_drop_max: float
+
+
+class Gates(_Strict):
+    kl_mean_max: float | None = None
+    kl_p99_max: float | None = None
+    top1_min: float | None = None
+    ppl_ratio_max: float | None = None
+    tasks: dict[str, TaskGate] = Field(default_factory=dict)
+
+
+class Recipe(_Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    dtype: DType = "bfloat16"
+    groups: list[Group] = Field(min_length=1)
+    kv_cache: KVCache | None = None
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    gates: Gates = Field(default_factory=Gates)
+
+    # where it was read from (for error messages); not part of the hash
+    _path: str | None = None
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Recipe:
+        seen: set[str] = set()
+        for g in self.groups:
+            if g.name in seen:
+                raise ValueError(f"two groups are named {g.name!r}; give each group its own name")
+            seen.add(g.name)
+        return self
+
+    @property
+    def path(self) -> str:
+        return self._path or "<recipe>"
+
+    def resolved(self) -> dict[str, Any]:
+        """The canonical resolved recipe (defaults filled in)."""
+        return self.model_dump(mode="json")
+
+    def hash(self) -> str:
+        text = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.resolved(), sort_keys=False)
+
+    def needs_calibration(self) -> bool:
+        return self.kv_cache is not None or any(g.method in ("awq", "gptq") for g in self.groups)
+
+    def to_json(self) -> dict:
+        return {**self.resolved(), "hash": self.hash(), "path": self._path}
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<top level>"
+
+
+def _fix_for(err: dict) -> str:
+    t = err.get("type", "")
+    if t == "extra_forbidden":
+        return "delete this key (unknown key; check its spelling against docs/recipes or pipeline/recipe.py)"
+    if t == "missing":
+        return "add this required field"
+    if t.startswith("literal_error"):
+        return f"use one of the allowed values ({err.get('ctx', {}).get('expected', '')})"
+    return "correct the value as the message says"
+
+
+def parse_recipe(data: Any, *, path: str = "<recipe>") -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(
+            "a recipe must be a YAML mapping at the top level",
+            path=path,
+            hint="start from recipes/gemma-mixed-w4.yaml",
+        )
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        errs = e.errors()
+        first = errs[0]
+        field = _loc(first["loc"])
+        msg = first["msg"].removeprefix("Value error, ")
+        more = f" (and {len(errs) - 1} more problem(s))" if len(errs) > 1 else ""
+        raise RecipeError(
+            f"field `{field}`: {msg}{more}",
+            path=path,
+            hint=_fix_for(first),
+        ) from None
+    recipe._path = path
+    return recipe
+
+
+def load_recipe(path: Path | str) -> Recipe:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise RecipeError(
+            f"cannot read the recipe ({e.strerror})", path=str(p), hint="check the path"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"not valid YAML: {e}", path=str(p), hint="fix the YAML syntax") from None
+    return parse_recipe(data, path=str(p))
+
+
+# ---------------------------------------------------------------------------------------
+# checks against a concrete model
+
+
+def module_matches(name: str, module: Any, targets: list[str]) -> bool:
+    """The library's own matching rule (compressed_tensors.utils.match.is_match)."""
+    from compressed_tensors.utils.match import is_match
+
+    return is_match(name, module, targets)
+
+
+def validate_for_model(recipe: Recipe, model: Any) -> dict[str, str]:
+    """Check the recipe against `model`; return {linear module name: group name}.
+
+    Raises RecipeError (exit 2) naming the file, the field and the fix for: a target that
+    matches no module, overlapping groups, a Linear matched by no group, a quantizing group
+    that targets a non-Linear module, a group size that does not divide a module's input
+    width, fp16 chosen for a Gemma model.
+    """
+    import torch
+
+    path = recipe.path
+    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    if recipe.dtype == "float16" and model_type.startswith("gemma"):
+        raise RecipeError(
+            f"field `dtype`: float16 chosen for a Gemma model ({model_type}); Gemma's "
+            "activations overflow float16",
+            path=path,
+            hint="set `dtype: bfloat16`",
+        )
+
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    linear_names = [n for n, m in modules if isinstance(m, torch.nn.Linear)]
+    owner: dict[str, str] = {}
+    for gi, g in enumerate(recipe.groups):
+        for ti, t in enumerate(g.targets):
+            hits = [n for n, m in modules if module_matches(n, m, [t])]
+            if not hits:
+                sample = ", ".join(linear_names[:3])
+                raise RecipeError(
+                    f"field `groups[{gi}].targets[{ti}]`: target {t!r} of group {g.name!r} "
+                    f"matches no module of this model",
+                    path=path,
+                    hint=f"fix or delete the target; module names look like {sample}"
+                    " (regexes need the 're:' prefix and are matched from the start of the name)",
+                )
+            if g.method != "none":
+                bad = [
+                    (n, type(m).__name__)
+                    for n, m in modules
+                    if n in hits and not isinstance(m, torch.nn.Linear)
+                ]
+                if bad:
+                    n, cls = bad[0]
+                    raise RecipeError(
+                        f"field `groups[{gi}].targets[{ti}]`: target {t!r} of group {g.name!r} "
+                        f"matches {n} ({cls}), which is not a Linear module",
+                        path=path,
+                        hint="anchor the regex on Linear modules (e.g. end it with 'q_proj$'); "
+                        "only Linear weights are quantized",
+                    )
+        for n, m in modules:
+            if not isinstance(m, torch.nn.Linear) or not module_matches(n, m, g.targets):
+                continue
+            if n in owner:
+                raise RecipeError(
+                    f"field `groups`: groups {owner[n]!r} and {g.name!r} overlap: module {n} "
+                    f"is matched by both",
+                    path=path,
+                    hint=f"narrow the targets of {owner[n]!r} or {g.name!r} so every module "
+                    "belongs to exactly one group (llm-compressor would silently let the later one win)",
+                )
+            owner[n] = g.name
+            if g.scheme is not None and g.scheme.group_size:
+                width = m.in_features
+                if width % g.scheme.group_size:
+                    raise RecipeError(
+                        f"field `groups[{gi}].scheme.group_size`: group size "
+                        f"{g.scheme.group_size} of group {g.name!r} does not divide the input "
+                        f"width {width} of module {n}",
+                        path=path,
+                        hint=f"choose a group size that divides {width} (e.g. "
+                        f"{_divisor_hint(width, g.scheme.group_size)}) or null for per-channel",
+                    )
+    missing = [n for n in linear_names if n not in owner]
+    if missing:
+        raise RecipeError(
+            f"field `groups`: Linear module {missing[0]} is matched by no group"
+            + (f" ({len(missing)} modules unmatched)" if len(missing) > 1 else ""),
+            path=path,
+            hint="add it to a group; use a group with `method: none` to keep it in 16-bit "
+            "(lm_head is usually kept that way)",
+        )
+    if recipe.kv_cache is not None:
+        has_kv = any(n.endswith("k_proj") for n in linear_names) and any(
+            n.endswith("v_proj") for n in linear_names
+        )
+        if not has_kv:
+            raise RecipeError(
+                "field `kv_cache`: this model has no k_proj/v_proj modules to quantize the KV cache at",
+                path=path,
+                hint="set `kv_cache: null`",
+            )
+    return owner
+
+
+def _divisor_hint(width: int, gs: int) -> str:
+    for cand in (128, 64, 32, 256, 16):
+        if width % cand == 0 and cand != gs:
+            return str(cand)
+    return "null"
