@@ -39,7 +39,16 @@ from .errors import IntegrityError, UsageError
 from .fsutil import atomic_dir, remove_stale_partials
 from .hashing import format_sha256sums, hash_files, sha256_bytes
 from .safetensors_header import Header, header_bytes, layout, read_header, shard_plan
-from .verify import INDEX, SIGNATURE, SUMS, VerifyReport, check_sums, check_weights, fingerprint
+from .verify import (
+    INDEX,
+    SIGNATURE,
+    SUMS,
+    VerifyReport,
+    check_records,
+    check_sums,
+    check_weights,
+    fingerprint,
+)
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3  # 5 GB of tensor data per shard, like transformers
 TOKENIZER_FILES = (
@@ -398,6 +407,7 @@ def package(
         # the artifact must pass its own gate before it may exist under its final name
         report = VerifyReport(path=str(out))
         check_sums(tmp, report)
+        check_records(tmp, report)
         check_weights(tmp, report)
         if sign_key is not None:
             from .verify import sign_artifact

@@ -197,6 +197,20 @@ def _matches(module: str, pattern: str) -> bool:
     return module == pattern
 
 
+def check_records(root: Path, report: VerifyReport) -> None:
+    """eval.json and provenance.json are JSON objects; eval.json carries the verdict."""
+    problems = _Problems(root)
+    ev = _read_json(root / "eval.json", problems, "eval.json")
+    _read_json(root / "provenance.json", problems, "provenance.json")
+    verdict = ev.get("verdict") if ev is not None else None
+    if ev is not None and not (
+        isinstance(verdict, dict) and isinstance(verdict.get("passed"), bool)
+    ):
+        problems.add("eval.json", "no verdict object with a boolean 'passed'")
+    problems.raise_if_any("record check")
+    report.checks.append(f"eval.json verdict: {'passed' if verdict['passed'] else 'FAILED'}")
+
+
 def check_weights(root: Path, report: VerifyReport) -> None:
     problems = _Problems(root)
     config = _read_json(root / "config.json", problems, "config.json")
@@ -549,7 +563,14 @@ def check_load(root: Path, report: VerifyReport, *, atol: float) -> None:
             f"transformers could not load and run the model ({type(e).__name__}: {str(e)[:300]})",
             path=str(root / "config.json"),
         ) from e
-    for msg in compare_fingerprint(probe, logits, atol=atol):
+    try:
+        mismatches = compare_fingerprint(probe, logits, atol=atol)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise IntegrityError(
+            f"malformed probe fingerprint ({type(e).__name__}: {str(e)[:200]})",
+            path=str(root / "eval.json"),
+        ) from e
+    for msg in mismatches:
         problems.add("eval.json", f"probe mismatch: {msg}")
     problems.raise_if_any("load smoke test")
     report.load = "matched"
@@ -575,6 +596,7 @@ def verify(
         raise UsageError("artifact directory not found", path=str(root))
     report = VerifyReport(path=str(root))
     check_sums(root, report)
+    check_records(root, report)
     check_weights(root, report)
     check_signature(
         root, report, pubkey=Path(pubkey) if pubkey else None, require=require_signature

@@ -470,3 +470,31 @@ def test_mixed_checkpoint_verifies_and_is_checked_strictly(mixed_artifact, tmp_p
     rc, out = cli_verify(art, capsys=capsys)
     assert rc == 3 and "weight_zero_point present but the group is symmetric" in out["message"]
     assert "weight_zero_point missing but the group is asymmetric" in out["message"]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda ev: ev["probe"].update(top_ids=[[10**9]]),
+        lambda ev: ev["probe"].update(top_logits="x"),
+        lambda ev: ev["probe"].update(prompt_ids=[10**9]),
+    ],
+)
+def test_malformed_probe_is_an_integrity_failure(packaged_artifact, tmp_path, edit):
+    art = copy(packaged_artifact, tmp_path)
+    ev = json.loads((art / "eval.json").read_text())
+    edit(ev)
+    (art / "eval.json").write_text(json.dumps(ev))
+    resum(art)
+    with pytest.raises(IntegrityError) as e:
+        verify(art, load=True)
+    assert e.value.path.endswith(("eval.json", "config.json"))
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{not json", '{"verdict": {"passed": "yes"}}'])
+def test_malformed_eval_json(packaged_artifact, tmp_path, capsys, text):
+    art = copy(packaged_artifact, tmp_path)
+    (art / "eval.json").write_text(text)
+    resum(art)
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and out["path"].endswith("eval.json")
