@@ -206,6 +206,54 @@ def quantize_cmd(
     emit(quantize(model, r, out, token_sets=tokens, device=device), as_json)
 
 
+# compare (pipeline.compare, pipeline.report)
+
+
+@app.command("compare")
+def compare_cmd(
+    items: Annotated[
+        list[Path] | None, typer.Argument(help="More recipes (or, with --collect, more dirs).")
+    ] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Source model (as for run).")] = None,
+    recipes: Annotated[
+        list[Path] | None, typer.Option("--recipes", help="Recipe YAMLs: --recipes R1 R2 …")
+    ] = None,
+    out: Annotated[Path, typer.Option("--out", help="Report directory.")] = Path("compare"),
+    matrix: Annotated[
+        bool, typer.Option("--matrix", help="Print a GitHub Actions matrix, one job per recipe.")
+    ] = False,
+    collect: Annotated[
+        list[Path] | None,
+        typer.Option("--collect", help="Merge eval.json files under DIR… (CI jobs' results)."),
+    ] = None,
+    device: Annotated[str | None, typer.Option("--device", help="cuda / cpu.")] = None,
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compare recipes on one model: md/json/csv/html report with plots; CI matrix/collect."""
+    from . import compare as cmp
+    from .errors import UsageError
+
+    if matrix:
+        mx = cmp.matrix((recipes or []) + (items or []))
+        sys.stdout.write(json.dumps(mx, separators=(",", ":")) + "\n")
+        return
+    if collect:
+        res = cmp.collect(collect + (items or []), out)
+    else:
+        if not model:
+            raise UsageError("--model is required (or use --matrix / --collect)", path="--model")
+        res = cmp.compare(
+            model,
+            cmp.recipe_paths((recipes or []) + (items or [])),
+            out,
+            cache_dir=cache_root(cache_dir),
+            device=device,
+        )
+    emit(res, as_json)
+    res.require_pass()
+
+
 # --- commands end ---
 
 

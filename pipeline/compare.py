@@ -1,0 +1,240 @@
+"""`qship compare`: run several recipes on one model and report them side by side.
+
+Three entry points, one report (pipeline.report):
+
+* `compare(model, recipes, out)` -- in process: fetch once, then per recipe
+  quantize -> evaluate -> gate through the shared stage cache, so the fetch, the token
+  sets (cached by content hash) and the reference log-probs (one reference pass per
+  model and held-out set) are computed once for all recipes. Each recipe's results go
+  to `<out>/recipes/<name>/eval.json`; the report is built from those files, exactly as
+  `--collect` builds it, so both give the same numbers.
+* `matrix(recipes)` -- a GitHub Actions matrix, one job per recipe.
+* `collect(paths, out)` -- merge the eval.json files that matrix jobs produced.
+
+An eval.json carries evaluate's result, the gate's "verdict" and a "compare" block with
+what the row needs from the quantize stage (see `compare_block`). Files written by other
+commands lack that block; `collect` then takes the figures from a `quantize_report.json`
+or `provenance.json` beside the eval.json, and leaves a figure empty when neither has it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import GateFailed, UsageError
+from .report import REPORT_FILES, kl_histogram, row_from_eval, write_report
+
+EVAL_FILE = "eval.json"
+
+
+def _log(msg: str) -> None:
+    print(f"qship compare: {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ matrix
+
+
+def recipe_paths(recipes: list[Path] | None, recipes_dir: Path = Path("recipes")) -> list[Path]:
+    """The given recipe files, or every recipes/*.yaml when none is given."""
+    if recipes:
+        return [Path(r) for r in recipes]
+    found = sorted(Path(recipes_dir).glob("*.yaml"))
+    if not found:
+        raise UsageError(
+            "no recipes given and none found", path=str(recipes_dir), hint="pass --recipes R1 R2 …"
+        )
+    return found
+
+
+def matrix(recipes: list[Path] | None) -> dict:
+    """{"include": [{"recipe": path, "name": recipe name}, ...]} for `fromJSON` in a
+    workflow. Every recipe is loaded (an invalid one fails here, exit 2, before any job
+    starts) and names must be unique, as they name the jobs' artifacts."""
+    from .recipe import load_recipe
+
+    include = []
+    seen: dict[str, str] = {}
+    for p in recipe_paths(recipes):
+        r = load_recipe(p)
+        if r.name in seen:
+            raise UsageError(
+                f"recipes {seen[r.name]} and {p} are both named {r.name!r}",
+                path=str(p),
+                hint="give every recipe its own `name:`",
+            )
+        seen[r.name] = str(p)
+        include.append({"recipe": p.as_posix(), "name": r.name})
+    return {"include": include}
+
+
+# ------------------------------------------------------------------ rows
+
+
+def quantize_figures(report: dict | None) -> dict:
+    """Row figures from quantize's report (QuantizeResult.report / quantize_report.json)."""
+    if not isinstance(report, dict):
+        return {}
+    if isinstance(report.get("report"), dict):  # QuantizeResult.to_json()
+        report = report["report"]
+    ck = report.get("checkpoint") or {}
+    peak = report.get("peak_memory") or {}
+    t = report.get("timings") or {}
+    return {
+        k: v
+        for k, v in {
+            "name": report.get("recipe"),
+            "recipe_hash": report.get("recipe_hash"),
+            "bits_per_weight": ck.get("bits_per_weight_quantized"),
+            "size_bytes": ck.get("bytes"),
+            "quantize_s": t.get("total"),
+            # GPU: peak allocated during this quantize; CPU: the process's peak RSS
+            "peak_mem_bytes": peak.get("cuda_max_allocated_bytes", peak.get("peak_rss_bytes")),
+        }.items()
+        if v is not None
+    }
+
+
+def compare_block(
+    *, name: str, recipe: str, quantize_report: dict | None, kl_tokens: Any = None
+) -> dict:
+    """The "compare" block stored in eval.json: everything the row needs besides evaluate's
+    figures. `kl_tokens`: per-token KL values (any array-like) for the distribution plot."""
+    block = {**quantize_figures(quantize_report), "name": name, "recipe": recipe}
+    if kl_tokens is not None:
+        block["kl_hist"] = kl_histogram(kl_tokens)
+    return block
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def row_from_file(path: Path) -> dict:
+    """A report row from one eval.json (plus quantize_report.json / provenance.json / recipe
+    beside it when its "compare" block is missing)."""
+    path = Path(path)
+    ev = _json(path)
+    if ev is None:
+        raise UsageError(
+            f"{path} is not a readable JSON object",
+            path=str(path),
+            hint="pass eval.json files or the folders holding them",
+        )
+    if not isinstance(ev.get("compare"), dict):
+        d = path.parent
+        block = quantize_figures(ev.get("quantize") or _json(d / "quantize_report.json"))
+        prov = _json(d / "provenance.json") or {}
+        tim = prov.get("timings") if isinstance(prov.get("timings"), dict) else {}
+        if "quantize_s" not in block and tim.get("quantize_s") is not None:
+            block["quantize_s"] = tim["quantize_s"]
+        if "recipe_hash" not in block and isinstance(prov.get("recipe"), dict):
+            block["recipe_hash"] = prov["recipe"].get("sha256") or prov["recipe"].get("hash")
+        if "size_bytes" not in block:
+            st = list(d.glob("*.safetensors"))
+            if st:
+                block["size_bytes"] = sum(p.stat().st_size for p in st)
+        if "name" not in block and (d / "recipe.yaml").is_file():
+            import yaml
+
+            try:
+                block["name"] = (yaml.safe_load((d / "recipe.yaml").read_text()) or {}).get("name")
+            except yaml.YAMLError:
+                pass
+        block.setdefault("name", d.name)
+        ev = {**ev, "compare": block}
+    return row_from_eval(ev, source=None)
+
+
+def find_eval_files(paths: list[Path]) -> list[Path]:
+    """eval.json files: each path is a file, or a folder searched recursively (a download of
+    several CI artifacts is one folder per artifact)."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            found = sorted(p.rglob(EVAL_FILE))
+            if not found:
+                raise UsageError(
+                    f"no {EVAL_FILE} under {p}",
+                    path=str(p),
+                    hint="point --collect at the downloaded job artifacts",
+                )
+            out += found
+        else:
+            raise UsageError(f"{p} does not exist", path=str(p), hint="check the path")
+    return out
+
+
+@dataclass
+class CompareResult:
+    out: Path
+    report: dict  # compare.json
+    sources: dict[str, str] = field(default_factory=dict)  # recipe name -> folder of its eval.json
+
+    @property
+    def best(self) -> str | None:
+        return self.report["best"]
+
+    def to_json(self) -> dict:
+        rows = self.report["rows"]
+        return {
+            "out": str(self.out),
+            "files": [f for f in REPORT_FILES if (self.out / f).is_file()],
+            "recipes": self.report["recipes"],
+            "passed": [r["name"] for r in rows if r.get("passed") is True],
+            "best": self.best,
+            "best_dir": self.sources.get(self.best) if self.best else None,
+            "pareto_bits_vs_kl": self.report["pareto_bits_vs_kl"],
+        }
+
+    def summary(self) -> str:
+        j = self.to_json()
+        return (
+            f"compared {len(j['recipes'])} recipes ({len(j['passed'])} passed their gates); "
+            f"best: {j['best'] or 'none'}"
+            + (f" ({j['best_dir']})" if j["best_dir"] else "")
+            + f"; report: {self.out / 'compare.html'}"
+        )
+
+    def require_pass(self) -> CompareResult:
+        """GateFailed (exit 4) when no recipe passed: nothing to ship. The report is written."""
+        if self.best is None:
+            raise GateFailed(
+                f"no recipe passed its quality gate ({', '.join(self.report['recipes'])})",
+                path=str(self.out / "compare.md"),
+                hint="read the gate column of the report; loosen a recipe or add a better one",
+            )
+        return self
+
+
+def collect(paths: list[Path], out: Path) -> CompareResult:
+    """Merge eval.json files (CI matrix jobs) into the report in `out`."""
+    files = find_eval_files(paths)
+    rows = [row_from_file(p) for p in files]
+    sources = {r["name"]: str(f.parent) for r, f in zip(rows, files, strict=True)}
+    return CompareResult(Path(out), write_report(rows, out), sources)
+
+
+# ------------------------------------------------------------------ in process
+
+
+def _check_same_heldout(hashes: dict[str, str | None]) -> None:
+    known = {n: h for n, h in hashes.items() if h}
+    if len(set(known.values())) > 1:
+        a, b = sorted(known)[:2]
+        raise UsageError(
+            "recipes are evaluated on different held-out tokens, so their KL figures do not "
+            f"compare ({a}: {known[a][:12]}, {b}: {known[b][:12]})",
+            path=b,
+            hint="give every recipe the same `calibration.source` and `evaluation` "
+            "sequences / seq_len",
+        )
