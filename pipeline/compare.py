@@ -19,6 +19,7 @@ or `provenance.json` beside the eval.json, and leaves a figure empty when neithe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import GateFailed, UsageError
+from .fsutil import atomic_write_text
 from .report import REPORT_FILES, kl_histogram, row_from_eval, write_report
 
 EVAL_FILE = "eval.json"
@@ -238,3 +240,187 @@ def _check_same_heldout(hashes: dict[str, str | None]) -> None:
             hint="give every recipe the same `calibration.source` and `evaluation` "
             "sequences / seq_len",
         )
+
+
+def _source_dir(model: str | Path, cache_dir: Path) -> tuple[Path, dict]:
+    """The plain checkpoint to quantize and to use as the reference: through the fetch
+    stage (hashes checked, cached) when it exists, else a local checkpoint directory."""
+    try:
+        from . import fetch as fetch_mod
+    except ImportError:  # fetch stage not on this branch yet: local directories only
+        fetch_mod = None
+    if fetch_mod is not None and hasattr(fetch_mod, "fetch"):
+        snap = fetch_mod.fetch(str(model), cache_dir=cache_dir)
+        info = snap.to_json() if hasattr(snap, "to_json") else {"path": str(snap.path)}
+        return Path(snap.path), info
+    p = Path(model)
+    if not (p / "config.json").is_file():
+        raise UsageError(
+            f"{model} is not a local checkpoint directory (no config.json)",
+            path=str(model),
+            hint="pass a folder with config.json and *.safetensors",
+        )
+    return p, {"path": str(p), "source": str(model)}
+
+
+def _quantize_cached(src: Path, model_hash: str, recipe, tokens, cache_dir: Path, device):
+    """quantize.quantize through the stage cache: same model, recipe and calibration tokens
+    -> the stored checkpoint (and its quantize report, timings included) is reused."""
+    from .cache import StageCache, stage_key
+    from .quantize import quantize
+
+    key = stage_key(
+        "quantize",
+        {
+            "model_hash": model_hash,
+            "recipe_hash": recipe.hash(),
+            "calib_hash": tokens.calib_hash,
+            "device": device or "auto",
+        },
+    )
+
+    def build(tmp: Path) -> dict:
+        res = quantize(src, recipe, tmp / "model", token_sets=tokens, device=device)
+        return {"dir": "model", "report": res.report}
+
+    entry = StageCache(cache_dir).get_or_build("quantize", key, build)
+    return entry.path / entry.record["dir"], entry.record["report"], entry.hit
+
+
+def per_token_kl(
+    candidate_dir: Path, heldout_ids, reference_cache: dict, *, batch_size: int, device: str
+):
+    """Per-token KL (as deployed) of the candidate against the cached reference entry that
+    evaluate used: the same public functions and the same order as evaluate's cached mode,
+    so the values' mean is evaluate's `metrics.kl.mean`. Needed for the distribution plot
+    because EvalResult carries summaries only (one extra candidate pass)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from . import evaluate as ev_mod
+    from . import kl_stats
+
+    ref = load_file(str(Path(reference_cache["path"]) / reference_cache["file"]))
+    model = ev_mod.load_model(candidate_dir, device=device)
+    per_seq = heldout_ids.shape[1] - 1
+    acc = kl_stats.Accumulator()
+    for s in range(0, heldout_ids.shape[0], batch_size):
+        batch = heldout_ids[s : s + batch_size]
+        rows = slice(s * per_seq, (s + batch.shape[0]) * per_seq)
+        part = {k: v[rows] for k, v in ref.items()}
+        with ev_mod.kv_quantization(model, True):
+            cl, nxt = ev_mod.forward_logits(model, batch)
+        acc.add({"kl": kl_stats.kl_topk_tail(part, cl, nxt)["kl"]})
+        del cl
+    del model
+    return torch.cat(acc.parts["kl"]).numpy()
+
+
+def compare(
+    model: str | Path,
+    recipes: list[Path],
+    out: Path,
+    *,
+    cache_dir: Path,
+    device: str | None = None,
+    kl_tokens: bool = True,
+) -> CompareResult:
+    """Quantize, evaluate and gate every recipe on one model; write the report to `out`.
+
+    Shared work: the fetch (once), the token sets (stage cache, keyed by tokenizer, corpus
+    and config: recipes with the same calibration/evaluation settings share them), the
+    reference log-probs (one pass per model and held-out set) and every quantized
+    checkpoint (a re-run with the same inputs quantizes nothing). A recipe whose gate
+    fails is reported, not an error; `CompareResult.require_pass()` decides the exit code.
+    """
+    # llm-compressor's logger writes to stdout; `--json` stdout must hold only the result
+    with contextlib.redirect_stdout(sys.stderr):
+        return _compare(
+            model, recipes, Path(out), cache_dir=Path(cache_dir), device=device, kl_tokens=kl_tokens
+        )
+
+
+def _compare(
+    model, recipes, out: Path, *, cache_dir: Path, device, kl_tokens: bool
+) -> CompareResult:
+    from transformers import AutoTokenizer
+
+    from . import evaluate as ev_mod
+    from . import gate, reference_cache
+    from .calibration import build_token_sets
+    from .plan import load_meta_model
+    from .recipe import load_recipe, validate_for_model
+
+    device = device or ev_mod.default_device()
+    loaded = [load_recipe(p) for p in recipes]
+    matrix(list(recipes))  # unique names, before any compute
+    src, src_info = _source_dir(model, cache_dir)
+    meta = load_meta_model(src)
+    for r in loaded:  # every recipe checked against the model before the first quantize
+        validate_for_model(r, meta)
+    del meta
+    tok = AutoTokenizer.from_pretrained(src)
+    mhash = reference_cache.model_hash(src)
+    tokens = {
+        r.name: build_token_sets(tok, r.calibration, r.evaluation, cache_dir=cache_dir)
+        for r in loaded
+    }
+    _check_same_heldout({n: t.heldout_hash for n, t in tokens.items()})
+
+    files: list[Path] = []
+    for path, r in zip(recipes, loaded, strict=True):
+        ts = tokens[r.name]
+        _log(f"{r.name}: quantize")
+        qdir, qreport, hit = _quantize_cached(src, mhash, r, ts, cache_dir, device)
+        _log(
+            f"{r.name}: evaluate ({'quantized checkpoint from cache' if hit else 'freshly quantized'})"
+        )
+        e = r.evaluation
+        result = ev_mod.evaluate(
+            src,
+            qdir,
+            heldout_ids=ts.heldout_ids,
+            heldout_hash=ts.heldout_hash,
+            cache_dir=cache_dir,
+            tasks=e.tasks,
+            hub_tasks=e.hub_tasks,
+            limit=e.limit,
+            batch_size=e.batch_size,
+            device=device,
+            corpus={"source": ts.source, "corpus_hash": ts.corpus_hash, "recipe": str(path)},
+        )
+        verdict = gate.check(result.to_json(), r.gates)
+        rdir = out / "recipes" / r.name
+        rdir.mkdir(parents=True, exist_ok=True)
+        ev_mod.write_outputs(result, verdict, rdir)  # eval.json + eval.md, as `qship evaluate`
+        kl = None
+        if kl_tokens and result.reference_cache:
+            kl = per_token_kl(
+                qdir, ts.heldout_ids, result.reference_cache, batch_size=e.batch_size, device=device
+            )
+            mean = float(kl.mean())
+            if abs(mean - result.metrics["kl"]["mean"]) > 1e-9 * max(1.0, mean):
+                from .errors import StageError
+
+                raise StageError(
+                    f"per-token KL of {r.name} (mean {mean!r}) disagrees with evaluate's "
+                    f"mean {result.metrics['kl']['mean']!r}",
+                    path=str(qdir),
+                    hint="evaluate changed how it scores tokens; align compare.per_token_kl",
+                )
+        ev = json.loads((rdir / EVAL_FILE).read_text())
+        ev["compare"] = compare_block(
+            name=r.name, recipe=Path(path).as_posix(), quantize_report=qreport, kl_tokens=kl
+        )
+        ev["compare"]["model"] = str(model)
+        ev["compare"]["quantized_dir"] = str(qdir)
+        atomic_write_text(
+            rdir / EVAL_FILE, json.dumps(ev, indent=2, sort_keys=True, default=str) + "\n"
+        )
+        files.append(rdir / EVAL_FILE)
+        _log(
+            f"{r.name}: KL mean {result.metrics['kl']['mean']:.4g}, gate {'passed' if verdict.passed else 'FAILED'}"
+        )
+    rows = [row_from_file(f) for f in files]
+    sources = {r["name"]: str(f.parent) for r, f in zip(rows, files, strict=True)}
+    return CompareResult(out, write_report(rows, out), sources)

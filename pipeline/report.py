@@ -126,30 +126,18 @@ def _first(d: dict, *paths: tuple[str, ...]) -> Any:
 
 
 def task_scores(ev: dict) -> dict[str, float]:
-    """{task: score} from the shapes evaluate may write: {"tasks": {t: number}},
-    {"tasks": {t: {"score"|"candidate"|"acc"...: x}}} or a list of {"task"/"name", "score"}."""
-    raw = ev.get("tasks") or ev.get("benchmarks") or ev.get("lm_eval") or {}
+    """{task: candidate score} from eval.json's benchmarks ({"tasks": {t: {"status": "ok",
+    "metric", "reference": {"value"}, "candidate": {"value"}, "drop"}}}); tasks that did
+    not run are left out. Also accepts a plain {"tasks": {t: number | {"score": x}}}."""
+    raw = _get(ev, "benchmarks", "tasks") or ev.get("tasks") or {}
     out: dict[str, float] = {}
-    items: list[tuple[str, Any]] = []
-    if isinstance(raw, dict):
-        items = list(raw.items())
-    elif isinstance(raw, list):
-        items = [(r.get("task") or r.get("name"), r) for r in raw if isinstance(r, dict)]
-    for name, v in items:
-        if not name:
-            continue
+    if not isinstance(raw, dict):
+        return out
+    for name, v in raw.items():
         if isinstance(v, dict):
-            v = _first(
-                v,
-                ("score",),
-                ("candidate",),
-                ("quant",),
-                ("acc_norm",),
-                ("acc",),
-                ("value",),
-            )
-            if isinstance(v, dict):  # {"candidate": {"score": x}}
-                v = _first(v, ("score",), ("acc_norm",), ("acc",))
+            if v.get("status") not in (None, "ok"):
+                continue
+            v = _first(v, ("candidate", "value"), ("score",), ("candidate",))
         n = _num(v)
         if n is not None:
             out[str(name)] = float(n)
@@ -161,7 +149,8 @@ def row_from_eval(ev: dict, **extra: Any) -> dict:
     "verdict" and a "compare" block holding the quantize figures); `extra` overrides."""
     cmp = ev.get("compare") if isinstance(ev.get("compare"), dict) else {}
     verdict = ev.get("verdict") if isinstance(ev.get("verdict"), dict) else None
-    kl = ev.get("kl") if isinstance(ev.get("kl"), dict) else {}
+    m = ev.get("metrics") if isinstance(ev.get("metrics"), dict) else ev  # evaluate's figures
+    kl = m.get("kl") if isinstance(m.get("kl"), dict) else {}
     row: dict[str, Any] = {
         "name": cmp.get("name") or ev.get("recipe_name") or _get(ev, "recipe", "name"),
         "recipe": cmp.get("recipe"),
@@ -172,13 +161,13 @@ def row_from_eval(ev: dict, **extra: Any) -> dict:
         "size_bytes": _num(cmp.get("size_bytes", ev.get("size_bytes"))),
         "quantize_s": _num(cmp.get("quantize_s")),
         "peak_mem_bytes": _num(cmp.get("peak_mem_bytes")),
-        "tokens": _num(ev.get("tokens")),
+        "tokens": _num(m.get("tokens")),
     }
     for k in ("mean", "stderr", "median", "p90", "p99", "p999", "max"):
         row[f"kl_{k}"] = _num(kl.get(k))
-    row["top1"] = _num(_first(ev, ("top1_agreement",), ("top1",)))
+    row["top1"] = _num(_first(m, ("top1_agreement",), ("top1",)))
     for k in ("ppl_reference", "ppl_candidate", "ppl_ratio"):
-        row[k] = _num(ev.get(k))
+        row[k] = _num(m.get(k))
     row["tasks"] = task_scores(ev)
     hist = cmp.get("kl_hist") or ev.get("kl_hist")
     row["kl_hist"] = hist if isinstance(hist, dict) and "counts" in hist else None

@@ -36,14 +36,26 @@ def fake_eval(name: str, bits: float, scale: float, passed: bool, seed: int = 0)
     rng = np.random.default_rng(seed)
     n = 2000
     kl = rng.lognormal(np.log(scale) - 1.5, 1.5, n)
-    ev = kl_stats.summarise(
+    metrics = kl_stats.summarise(
         kl, rng.random(n) < 0.8, rng.random(n) * 3, rng.random(n) * 3.1, rng.normal(0, 0.01, n)
     )
-    ev["tasks"] = {"tiny_mc": {"score": 0.5 + 0.01 * seed}}
+    ev = {"metrics": metrics}
+    ev["benchmarks"] = {
+        "tasks": {
+            "tiny_mc": {
+                "status": "ok",
+                "metric": "acc",
+                "reference": {"value": 0.6},
+                "candidate": {"value": 0.5 + 0.01 * seed},
+                "drop": 0.1 - 0.01 * seed,
+            },
+            "hub_task": {"status": "skipped", "reason": "offline"},
+        }
+    }
     ev["verdict"] = {
         "passed": passed,
         "checks": [
-            {"name": "kl_mean_max", "value": ev["kl"]["mean"], "limit": 0.3, "passed": passed}
+            {"name": "kl_mean_max", "value": metrics["kl"]["mean"], "limit": 0.3, "passed": passed}
         ],
     }
     qrep = {
@@ -108,12 +120,13 @@ def test_row_maps_eval_json(evals):
     ev = evals[0]
     r = row_from_eval(ev)
     assert r["name"] == "gptq-w4" and r["recipe"] == "recipes/gptq-w4.yaml"
-    assert r["kl_mean"] == ev["kl"]["mean"] and r["kl_p99"] == ev["kl"]["p99"]
-    assert r["top1"] == ev["top1_agreement"] and r["ppl_ratio"] == ev["ppl_ratio"]
+    m = ev["metrics"]
+    assert r["kl_mean"] == m["kl"]["mean"] and r["kl_p99"] == m["kl"]["p99"]
+    assert r["top1"] == m["top1_agreement"] and r["ppl_ratio"] == m["ppl_ratio"]
     assert r["bits_per_weight"] == 4.125 and r["size_bytes"] == 412500
     assert r["quantize_s"] == 1.5 and r["peak_mem_bytes"] == 10**9
     assert r["passed"] is True and r["tasks"] == {"tiny_mc": 0.5}
-    assert sum(r["kl_hist"]["counts"]) + r["kl_hist"]["zero"] == ev["tokens"]
+    assert sum(r["kl_hist"]["counts"]) + r["kl_hist"]["zero"] == m["tokens"]
 
 
 def test_selection_rules():

@@ -1,0 +1,208 @@
+"""`qship compare` on the tiny trained Llama with two small recipes (RTN and GPTQ).
+
+The in-process comparison must report the same numbers as separate `qship quantize` +
+`qship evaluate` runs, `--collect` over the per-recipe eval.json files must rebuild the
+same report, and the HTML must be self-contained with valid PNGs.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from pipeline.cli import main
+from pipeline.report import REPORT_FILES
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {
+    "calibration": {"num_samples": 8, "seq_len": 64, "batch_size": 8},
+    "evaluation": {"sequences": 4, "seq_len": 64, "batch_size": 4, "tasks": [], "hub_tasks": []},
+}
+# figures that must be identical between the comparison and separate runs
+QUALITY = ["tokens", "kl_mean", "kl_stderr", "kl_median", "kl_p90", "kl_p99", "kl_p999", "kl_max"]
+QUALITY += ["top1", "ppl_reference", "ppl_candidate", "ppl_ratio", "bits_per_weight", "size_bytes"]
+
+
+def _recipe(tmp: Path, base: str, name: str, gates: dict) -> Path:
+    d = yaml.safe_load((ROOT / "recipes" / f"{base}.yaml").read_text())
+    d["name"] = name
+    d["kv_cache"] = None  # RTN then needs no calibration pass at all
+    for k, v in SMALL.items():
+        d[k].update(v)
+    d["gates"] = gates
+    p = tmp / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+@pytest.fixture(scope="module")
+def threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory) -> list[Path]:
+    tmp = tmp_path_factory.mktemp("recipes")
+    return [
+        _recipe(tmp, "rtn-w4", "tiny-rtn", {"kl_mean_max": 1e-6}),  # fails: shows a FAIL row
+        _recipe(tmp, "gptq-w4", "tiny-gptq", {"kl_mean_max": 5.0, "top1_min": 0.05}),
+    ]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, tiny_llama, recipes, threads) -> dict:
+    work = tmp_path_factory.mktemp("compare")
+    out = work / "report"
+    args = ["compare", "--model", str(tiny_llama), "--recipes", str(recipes[0]), str(recipes[1])]
+    args += ["--out", str(out), "--cache-dir", str(work / "cache"), "--device", "cpu"]
+    import contextlib
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main([*args, "--json"])
+    assert rc == 0, buf.getvalue()
+    res = json.loads(buf.getvalue())
+    return {"out": out, "res": res, "report": json.loads((out / "compare.json").read_text())}
+
+
+def test_compare_writes_full_report(compared):
+    out, res, rep = compared["out"], compared["res"], compared["report"]
+    for f in REPORT_FILES:
+        assert (out / f).is_file(), f
+    assert rep["recipes"] == ["tiny-gptq", "tiny-rtn"]
+    assert res["best"] == rep["best"] == "tiny-gptq" and res["passed"] == ["tiny-gptq"]
+    assert Path(res["best_dir"]) == out / "recipes" / "tiny-gptq"
+    rows = {r["name"]: r for r in rep["rows"]}
+    assert rows["tiny-rtn"]["passed"] is False and rows["tiny-gptq"]["passed"] is True
+    for r in rows.values():
+        assert 4.0 < r["bits_per_weight"] < 4.3  # int4 g128 + scales (+ zero points)
+        assert r["size_bytes"] > 0 and r["quantize_s"] > 0 and r["peak_mem_bytes"] > 0
+        assert r["kl_mean"] > 0 and 0 < r["top1"] <= 1 and r["ppl_ratio"] > 0
+        h = r["kl_hist"]
+        assert sum(h["counts"]) + h["zero"] == r["tokens"] == 4 * 63
+    md = (out / "compare.md").read_text()
+    assert "FAIL (kl_mean_max)" in md and "**tiny-gptq**" in md
+
+
+def test_compare_equals_separate_evaluate_runs(compared, tiny_llama, recipes, tmp_path):
+    """qship quantize + qship evaluate, each recipe on its own (own cache: the reference
+    pass and the token sets are recomputed), give the numbers of the comparison; and
+    --collect of those separately produced results gives the same rows."""
+    rows = {r["name"]: r for r in compared["report"]["rows"]}
+    cache = tmp_path / "cache"
+    jobs = tmp_path / "jobs"
+    for rp in recipes:
+        name = yaml.safe_load(rp.read_text())["name"]
+        q = tmp_path / f"q-{name}"
+        e = tmp_path / f"e-{name}"
+        common = ["--cache-dir", str(cache), "--device", "cpu"]
+        assert (
+            main(
+                [
+                    "quantize",
+                    "--model",
+                    str(tiny_llama),
+                    "--recipe",
+                    str(rp),
+                    "--out",
+                    str(q),
+                    *common,
+                ]
+            )
+            == 0
+        )
+        rc = main(
+            [
+                "evaluate",
+                "--reference",
+                str(tiny_llama),
+                "--candidate",
+                str(q),
+                "--recipe",
+                str(rp),
+                "--out",
+                str(e),
+                *common,
+            ]
+        )
+        assert rc in (0, 4)
+        ev = json.loads((e / "eval.json").read_text())
+        m = ev["metrics"]
+        want = rows[name]
+        got = {f"kl_{k}": v for k, v in m["kl"].items()}
+        got.update(tokens=m["tokens"], top1=m["top1_agreement"], ppl_reference=m["ppl_reference"])
+        got.update(ppl_candidate=m["ppl_candidate"], ppl_ratio=m["ppl_ratio"])
+        for k in QUALITY[:-2]:
+            assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), (name, k)
+        assert ev["verdict"]["passed"] is want["passed"]
+        # a CI job's upload: the eval.json with the quantize report beside it
+        j = jobs / name
+        j.mkdir(parents=True)
+        shutil.copy(e / "eval.json", j / "eval.json")
+        shutil.copy(q / "quantize_report.json", j / "quantize_report.json")
+    assert main(["compare", "--collect", str(jobs), "--out", str(tmp_path / "rep")]) == 0
+    coll = json.loads((tmp_path / "rep" / "compare.json").read_text())
+    assert (
+        coll["recipes"] == compared["report"]["recipes"]
+        and coll["best"] == compared["report"]["best"]
+    )
+    assert coll["pareto_bits_vs_kl"] == compared["report"]["pareto_bits_vs_kl"]
+    for r in coll["rows"]:
+        for k in QUALITY:
+            assert r[k] == pytest.approx(rows[r["name"]][k], rel=1e-9, abs=1e-12), (r["name"], k)
+        assert r["passed"] is rows[r["name"]]["passed"] and r["checks"] == rows[r["name"]]["checks"]
+
+
+def test_collect_of_compare_results_is_identical(compared, tmp_path):
+    """The per-recipe eval.json files of the comparison, downloaded as CI artifacts and
+    collected, rebuild the report byte for byte."""
+    out = compared["out"]
+    for d in (out / "recipes").iterdir():
+        shutil.copytree(d, tmp_path / "artifacts" / f"eval-{d.name}")
+    rc = main(["compare", "--collect", str(tmp_path / "artifacts"), "--out", str(tmp_path / "rep")])
+    assert rc == 0
+    for f in REPORT_FILES:
+        assert (tmp_path / "rep" / f).read_bytes() == (out / f).read_bytes(), f
+
+
+class _Refs(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.refs: list[tuple[str, str]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.refs += [
+            (k, v or "")
+            for k, v in attrs
+            if k in ("src", "href", "srcset", "action", "data", "poster")
+        ]
+
+
+def test_html_is_self_contained_with_valid_pngs(compared):
+    out = compared["out"]
+    text = (out / "compare.html").read_text()
+    p = _Refs()
+    p.feed(text)
+    srcs = [v for k, v in p.refs if k == "src"]
+    assert len(srcs) == 2
+    assert all(v.startswith("data:image/png;base64,") for _, v in p.refs), p.refs
+    assert "http:" not in text and "https:" not in text and "url(" not in text
+    for name, src in zip(("pareto.png", "kl_distribution.png"), srcs, strict=True):
+        data = base64.b64decode(src.split(",", 1)[1])
+        assert data == (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+        im = Image.open(io.BytesIO(data))
+        im.verify()
+        assert Image.open(io.BytesIO(data)).size[0] > 300
