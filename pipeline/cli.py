@@ -254,6 +254,94 @@ def compare_cmd(
     res.require_pass()
 
 
+# evaluate (pipeline.evaluate, pipeline.gate)
+
+
+@app.command("evaluate")
+def evaluate_cmd(
+    reference: Annotated[Path, typer.Option("--reference", help="Unquantized checkpoint dir.")],
+    candidate: Annotated[Path, typer.Option("--candidate", help="Quantized checkpoint dir.")],
+    recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML (evaluation + gates).")],
+    out: Annotated[Path | None, typer.Option("--out", help="Where eval.json / eval.md go.")] = None,
+    exact: Annotated[
+        bool, typer.Option("--exact", help="Full-vocabulary KL, reference and candidate in lockstep.")
+    ] = False,
+    device: Annotated[str | None, typer.Option("--device", help="cuda / cpu.")] = None,
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """KL / top-1 / ppl vs the reference on held-out tokens, lm-eval scores, gate (exit 4)."""
+    from transformers import AutoTokenizer
+
+    from .calibration import build_token_sets
+    from .evaluate import evaluate_and_gate, require_pass
+    from .recipe import load_recipe
+
+    r = load_recipe(recipe)
+    root = cache_root(cache_dir)
+    ts = build_token_sets(
+        AutoTokenizer.from_pretrained(reference), r.calibration, r.evaluation, cache_dir=root
+    )
+    ev = r.evaluation
+    out = out or Path("out") / "eval" / candidate.name
+    res, verdict = evaluate_and_gate(
+        reference,
+        candidate,
+        gates=r.gates,
+        out_dir=out,
+        raise_on_fail=False,
+        heldout_ids=ts.heldout_ids,
+        heldout_hash=ts.heldout_hash,
+        corpus={"source": ts.source, "corpus_hash": ts.corpus_hash, "recipe": str(recipe)},
+        cache_dir=root,
+        tasks=ev.tasks,
+        hub_tasks=ev.hub_tasks,
+        limit=ev.limit,
+        batch_size=ev.batch_size,
+        exact=exact,
+        device=device,
+    )
+    if as_json:
+        emit({**res.to_json(), "verdict": verdict.to_json(), "outputs": str(out)}, True)
+    else:
+        console.print(res.summary())
+        console.print(verdict.summary())
+    require_pass(verdict, out_dir=out)
+
+
+# run (pipeline.runner): every stage, through the stage cache
+
+
+@app.command("run")
+def run_cmd(
+    model: Annotated[str, typer.Option("--model", help="hf://org/name[@rev], a dir, a .gguf or gguf-pkg://NAME.")],
+    recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
+    out: Annotated[Path, typer.Option("--out", help="Artifact directory (must not exist).")],
+    publish_to: Annotated[
+        str | None, typer.Option("--publish-to", help="file:///registry or hf://org/name, if the gate passes.")
+    ] = None,
+    sign_key: Annotated[Path | None, typer.Option("--sign-key", help="PEM private key to sign with.")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="cuda / cpu (default: GPU if present).")] = None,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept .bin/.pt weights.")] = False,
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """fetch → quantize → evaluate → gate → package (→ publish); resumable through the cache."""
+    from .runner import run
+
+    res = run(
+        model,
+        recipe,
+        out,
+        cache_dir=cache_root(cache_dir),
+        publish_to=publish_to,
+        sign_key=sign_key,
+        device=device,
+        allow_pickle=allow_pickle,
+    )
+    emit(res, as_json)
+
+
 # --- commands end ---
 
 

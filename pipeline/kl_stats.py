@@ -52,7 +52,9 @@ def exact_token_stats(
     """
     if ref_logits.shape != cand_logits.shape:
         raise ValueError(f"logit shapes differ: {ref_logits.shape} vs {cand_logits.shape}")
-    out: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "top1", "nll_ref", "nll_cand", "dp")}
+    out: dict[str, list[torch.Tensor]] = {
+        k: [] for k in ("kl", "top1", "nll_ref", "nll_cand", "dp")
+    }
     for s in range(0, ref_logits.shape[0], chunk):
         lr = torch.log_softmax(ref_logits[s : s + chunk].to(dtype), dim=-1)
         lc = torch.log_softmax(cand_logits[s : s + chunk].to(dtype), dim=-1)
@@ -68,7 +70,10 @@ def exact_token_stats(
         out["nll_cand"].append(-lc_n)
         out["dp"].append(lc_n.exp() - lr_n.exp())
         del lr, lc, pr
-    return {k: torch.cat(v).double().cpu() if k != "top1" else torch.cat(v).cpu() for k, v in out.items()}
+    return {
+        k: torch.cat(v).double().cpu() if k != "top1" else torch.cat(v).cpu()
+        for k, v in out.items()
+    }
 
 
 # ------------------------------------------------------------ truncated reference (cache)
@@ -84,11 +89,11 @@ def reference_topk(
 ) -> dict[str, torch.Tensor]:
     """What the reference cache stores per position (all CPU tensors):
 
-    topk_ids int32 [N,k] (sorted, topk_ids[:,0] is the reference's top-1),
+    topk_ids int32 [N,k] (sorted by probability), top1_id int32 [N] (argmax),
     topk_logp float32 [N,k], tail_logp float64 [N] = log(1 - sum of the top-k masses),
     next_logp float64 [N] = log p_ref(actual next token) (its NLL is -next_logp).
     """
-    keys = ("topk_ids", "topk_logp", "tail_logp", "next_logp")
+    keys = ("topk_ids", "topk_logp", "tail_logp", "next_logp", "top1_id")
     out: dict[str, list[torch.Tensor]] = {k_: [] for k_ in keys}
     k = min(k, ref_logits.shape[-1])
     for s in range(0, ref_logits.shape[0], chunk):
@@ -99,6 +104,8 @@ def reference_topk(
         out["topk_logp"].append(vals.float().cpu())
         out["tail_logp"].append(_tail_logmass(lr, idx).double().cpu())
         out["next_logp"].append(lr.gather(-1, nxt).squeeze(-1).double().cpu())
+        # argmax, not topk_ids[:, 0]: same tie-breaking as the exact mode (bf16 logits tie)
+        out["top1_id"].append(lr.argmax(-1).int().cpu())
         del lr
     return {k_: torch.cat(v) for k_, v in out.items()}
 
@@ -119,7 +126,9 @@ def kl_topk_tail(
     lower bound of the exact KL; the gap is the KL between the two models' distributions
     *within* the tail, weighted by P_tail. Top-1 agreement, NLLs and Δp are exact.
     """
-    out: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "top1", "nll_ref", "nll_cand", "dp")}
+    out: dict[str, list[torch.Tensor]] = {
+        k: [] for k in ("kl", "top1", "nll_ref", "nll_cand", "dp")
+    }
     for s in range(0, cand_logits.shape[0], chunk):
         lc = torch.log_softmax(cand_logits[s : s + chunk].to(dtype), dim=-1)
         dev = lc.device
@@ -134,12 +143,15 @@ def kl_topk_tail(
         tail = torch.where(tail_p > LOG_FLOOR, tail_p.exp() * (tail_p - tail_q), 0.0)
         lc_n = lc.gather(-1, nxt).squeeze(-1)
         out["kl"].append((head + tail).clamp(min=0.0))
-        out["top1"].append(lc.argmax(-1) == idx[:, 0])
+        out["top1"].append(lc.argmax(-1) == ref["top1_id"][s : s + chunk].to(dev).long())
         out["nll_ref"].append(-lr_n)
         out["nll_cand"].append(-lc_n)
         out["dp"].append(lc_n.exp() - lr_n.exp())
         del lc
-    return {k: torch.cat(v).double().cpu() if k != "top1" else torch.cat(v).cpu() for k, v in out.items()}
+    return {
+        k: torch.cat(v).double().cpu() if k != "top1" else torch.cat(v).cpu()
+        for k, v in out.items()
+    }
 
 
 # ------------------------------------------------------------------ summary statistics
@@ -193,7 +205,9 @@ def summarise(kl, top1, nll_ref, nll_cand, dp) -> dict:
         "ppl_candidate": ppl_cand,
         "ppl_ratio": ppl_cand / ppl_ref,
         # ln(ppl ratio) = mean NLL difference; its stderr comes from the paired differences
-        "ln_ppl_ratio_stderr": float((nll_cand - nll_ref).std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0,
+        "ln_ppl_ratio_stderr": float((nll_cand - nll_ref).std(ddof=1) / math.sqrt(n))
+        if n > 1
+        else 0.0,
         "rms_dp": float(np.sqrt(np.mean(dp**2))),
         "mean_dp": float(dp.mean()),
     }
