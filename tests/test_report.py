@@ -317,3 +317,56 @@ def test_collect_without_compare_block_reads_siblings(evals, tmp_path):
     assert r["kl_mean"] == row_from_eval({**ev, "compare": block})["kl_mean"]
     res = collect([d], tmp_path / "rep")
     assert res.report["rows"][0]["kl_hist"] is None
+
+
+def test_collect_qship_run_layout(evals, tmp_path):
+    """What a CI job running `qship run --out results/NAME` uploads: the report folder
+    NAME.report (eval.json, plan.json, run.json; always) and the artifact NAME (eval.json,
+    provenance.json, weights; only when the gate passed). One row per recipe, figures from
+    those files, best_dir = the artifact to publish."""
+    for ev in evals[:2]:  # gptq-w4 passed, rtn-w4 failed
+        name = ev["compare"]["name"]
+        plain = {k: v for k, v in ev.items() if k != "compare"}
+        job = tmp_path / "results" / f"qship-{name}"
+        rep = job / f"{name}.report"
+        rep.mkdir(parents=True)
+        (rep / "eval.json").write_text(json.dumps(plain))
+        (rep / "plan.json").write_text(
+            json.dumps(
+                {
+                    "recipe_name": name,
+                    "bits_per_weight": {"quantized": ev["compare"]["bits_per_weight"]},
+                    "expected_checkpoint_bytes": 777,
+                }
+            )
+        )
+        (rep / "run.json").write_text(
+            json.dumps({"stages": [{"stage": "quantize", "recipe": name, "seconds": 0.1}]})
+        )
+        if plain["verdict"]["passed"]:
+            art = job / name
+            art.mkdir()
+            (art / "eval.json").write_text(json.dumps({**plain, "probe": {}}))
+            (art / "model.safetensors").write_bytes(b"x" * 4321)
+            (art / "provenance.json").write_text(
+                json.dumps(
+                    {
+                        "recipe_sha256_resolved": "ab" * 32,
+                        "quantize": {"seconds": 12.5, "peak_memory": {"peak_rss_bytes": 5}},
+                    }
+                )
+            )
+    res = collect([tmp_path / "results"], tmp_path / "report")
+    rows = {r["name"]: r for r in res.report["rows"]}
+    assert sorted(rows) == ["gptq-w4", "rtn-w4"]
+    g, r = rows["gptq-w4"], rows["rtn-w4"]
+    assert (g["size_bytes"], g["quantize_s"], g["peak_mem_bytes"], g["bits_per_weight"]) == (
+        4321,
+        12.5,
+        5,
+        4.125,
+    )
+    assert g["recipe_hash"] == "ab" * 32 and g["passed"] is True
+    assert (r["size_bytes"], r["quantize_s"], r["passed"]) == (777, None, False)  # no artifact
+    assert res.to_json()["best"] == "gptq-w4"
+    assert res.to_json()["best_dir"] == str(tmp_path / "results" / "qship-gptq-w4" / "gptq-w4")
