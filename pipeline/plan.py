@@ -85,7 +85,8 @@ class Plan:
         from rich.table import Table
 
         t = Table(title=f"plan: {self.recipe_name} on {self.architecture}", show_lines=False)
-        for col in ("module", "class", "group", "method", "scheme", "in→out", "bits/w"):
+        t.add_column("module", no_wrap=True)
+        for col in ("class", "group", "method", "scheme", "in→out", "bits/w"):
             t.add_column(col)
         for m in self.modules:
             sch = _scheme_label(m.scheme, self.dtype) + (" (tied to embedding)" if m.tied else "")
@@ -99,8 +100,9 @@ class Plan:
                 f"{m.bits_per_weight:.3f}",
             )
         mt = Table(title="AWQ smoothing mappings (restricted to AWQ groups)")
-        for col in ("smooth", "balance", "status"):
-            mt.add_column(col)
+        mt.add_column("smooth", no_wrap=True)
+        mt.add_column("balance")
+        mt.add_column("status")
         for mp in self.mappings:
             mt.add_row(
                 mp.smooth,

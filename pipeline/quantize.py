@@ -206,6 +206,55 @@ def cpu_pin_memory_fix():
 
 
 @contextlib.contextmanager
+def _stdout_is_stderr():
+    old = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = old
+
+
+def import_llmcompressor():
+    """Import llm-compressor so that its loguru console handler (which it binds to
+    sys.stdout at import, and which logs during import) writes to stderr: qship's
+    stdout is reserved for `--json` results."""
+    if "llmcompressor" not in sys.modules:
+        with _stdout_is_stderr():
+            import llmcompressor  # noqa: F401
+
+
+@contextlib.contextmanager
+def library_logs_to_stderr():
+    """Inside this block llm-compressor's records go to stderr, WARNING and up (or
+    LLM_COMPRESSOR_LOG_LEVEL); afterwards its default INFO console handler is put back,
+    on stderr as well."""
+    import importlib
+    import os
+
+    from loguru import logger
+
+    import_llmcompressor()
+    # `import llmcompressor.logger` would give the package's `logger` attribute (loguru)
+    lcl = importlib.import_module("llmcompressor.logger")
+    level = os.environ.get("LLM_COMPRESSOR_LOG_LEVEL", "WARNING").upper()
+    logger.remove()
+    hid = logger.add(
+        sys.stderr,
+        level=level,
+        format="{time:HH:mm:ss} | {function} | {level} - {message}",
+        filter=lcl.support_log_once,
+    )
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            logger.remove(hid)
+        with _stdout_is_stderr():
+            lcl.configure_logger(lcl.LOGGER_CONFIG)
+
+
+@contextlib.contextmanager
 def capture_metrics(model, plan: Plan, report: dict, progress: bool = True):
     """Record GPTQ per-module error, AWQ per-mapping loss reduction, time per layer."""
     from llmcompressor.core import LifecycleCallbacks
@@ -470,9 +519,6 @@ def quantize(
     `bare=True` runs llm-compressor with its defaults (independent pipeline, batch 1)
     instead of qship's (one sequential pass, the recipe's batch size): for benchmarks.
     """
-    from datasets import Dataset
-    from llmcompressor import oneshot
-
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists():
         raise UsageError(
@@ -483,6 +529,14 @@ def quantize(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+    with library_logs_to_stderr():
+        return _quantize(model_dir, recipe, out_dir, token_sets, device, progress, bare)
+
+
+def _quantize(model_dir, recipe, out_dir, token_sets, device, progress, bare) -> QuantizeResult:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+
     t0 = time.perf_counter()
     model, tok = load_model(model_dir, recipe, device)
     plan = build_plan(model, recipe)

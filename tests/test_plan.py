@@ -1,0 +1,156 @@
+"""Plan correctness on the tiny Gemma 3 (GQA) and Llama (MHA) models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.plan import Plan, plan_for_dir, weight_storage_bits
+from pipeline.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+R = ROOT / "recipes"
+LAYERS = 4
+
+
+def _expect_group(name: str) -> str:
+    if "self_attn" in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    return "head"
+
+
+@pytest.mark.parametrize("model", ["tiny_gemma", "tiny_llama"])
+def test_mixed_plan_assigns_every_linear(model, request):
+    plan = plan_for_dir(request.getfixturevalue(model), load_recipe(R / "gemma-mixed-w4.yaml"))
+    assert len(plan.modules) == LAYERS * 7 + 1
+    for m in plan.modules:
+        assert m.group == _expect_group(m.name), m.name
+        if m.group == "attention":
+            assert m.method == "awq" and m.scheme == {
+                "bits": 4,
+                "symmetric": False,
+                "group_size": 128,
+            }
+        elif m.group == "mlp":
+            assert m.method == "gptq" and m.scheme == {
+                "bits": 4,
+                "symmetric": True,
+                "group_size": 128,
+            }
+        else:
+            assert m.name == "lm_head" and m.method == "none" and m.scheme is None
+    assert plan.kv_cache == {"scheme": "fp8_e4m3", "strategy": "tensor", "dynamic": False}
+    assert plan.decoder_layers == [f"model.layers.{i}" for i in range(LAYERS)]
+    # AWQ mappings only for the attention group: never touching the MLP
+    assert plan.mappings and all(
+        "mlp" not in mp.smooth and all("mlp" not in b for b in mp.balance) for mp in plan.mappings
+    )
+    # round trip
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).to_json() == plan.to_json()
+
+
+def test_gemma_gqa_mappings(tiny_gemma):
+    plan = plan_for_dir(tiny_gemma, load_recipe(R / "gemma-mixed-w4.yaml"))
+    applied = [mp for mp in plan.mappings if mp.applied]
+    skipped = [mp for mp in plan.mappings if not mp.applied]
+    # input_layernorm -> q/k/v is given explicitly (the library's Gemma 3 default drops it)
+    assert [mp.smooth for mp in applied] == [
+        f"model.layers.{i}.input_layernorm" for i in range(LAYERS)
+    ]
+    assert all(mp.kind == "norm->qkv" and len(mp.balance) == 3 for mp in applied)
+    # v -> o skipped for shapes under GQA (2 KV heads x 32 = 64 != 128), and said so
+    assert [mp.kind for mp in skipped] == ["v->o"] * LAYERS
+    assert all("64" in mp.reason and "128" in mp.reason and "GQA" in mp.reason for mp in skipped)
+    assert any("o_proj" in n for n in plan.notes)
+
+
+def test_llama_mha_keeps_v_to_o(tiny_llama):
+    plan = plan_for_dir(tiny_llama, load_recipe(R / "gemma-mixed-w4.yaml"))
+    kinds = [(mp.kind, mp.applied) for mp in plan.mappings]
+    assert kinds == [("norm->qkv", True), ("v->o", True)] * LAYERS
+
+
+def test_awq_everywhere_uses_the_right_mlp_norm(tiny_gemma, tiny_llama):
+    r = load_recipe(R / "awq-w4.yaml")
+    g = plan_for_dir(tiny_gemma, r)
+    norm = [mp.smooth for mp in g.mappings if mp.kind == "norm->gate/up"]
+    assert norm == [f"model.layers.{i}.pre_feedforward_layernorm" for i in range(LAYERS)]
+    assert all(mp.applied for mp in g.mappings if mp.kind in ("norm->gate/up", "up->down"))
+    ll = plan_for_dir(tiny_llama, r)
+    norm = [mp.smooth for mp in ll.mappings if mp.kind == "norm->gate/up"]
+    assert norm == [f"model.layers.{i}.post_attention_layernorm" for i in range(LAYERS)]
+    assert all(mp.applied for mp in ll.mappings)
+
+
+def test_non_awq_recipes_have_no_mappings(tiny_gemma):
+    for name in ("gptq-w4", "rtn-w4", "w8-int8"):
+        assert plan_for_dir(tiny_gemma, load_recipe(R / f"{name}.yaml")).mappings == []
+
+
+def test_bits_per_weight_and_size(tiny_gemma, tiny_llama):
+    # int4 sym g128: 4 + 16/128 bits per weight (+ the 64-bit weight_shape per module)
+    assert weight_storage_bits(
+        128, 1024, {"bits": 4, "symmetric": True, "group_size": 128}, 16
+    ) == (128 * 1024 * 4 + 128 * 8 * 16 + 64)
+    # asym adds a packed 4-bit zero point per group
+    assert weight_storage_bits(
+        128, 1024, {"bits": 4, "symmetric": False, "group_size": 128}, 16
+    ) == (128 * 1024 * 4 + 128 * 8 * 20 + 64)
+    gptq = plan_for_dir(tiny_gemma, load_recipe(R / "gptq-w4.yaml"))
+    assert 4.125 < gptq.bits_per_weight["quantized"] < 4.13
+    awq = plan_for_dir(tiny_gemma, load_recipe(R / "awq-w4.yaml"))
+    assert 4.156 < awq.bits_per_weight["quantized"] < 4.162
+    mixed = plan_for_dir(tiny_gemma, load_recipe(R / "gemma-mixed-w4.yaml"))
+    assert (
+        gptq.bits_per_weight["quantized"]
+        < mixed.bits_per_weight["quantized"]
+        < awq.bits_per_weight["quantized"]
+    )
+    w8 = plan_for_dir(tiny_gemma, load_recipe(R / "w8-int8.yaml"))
+    assert 8.1 < w8.bits_per_weight["quantized"] < 8.2  # per-channel scale: 16/in bits
+    # Gemma's lm_head is tied to the embedding: stored once, not counted as a Linear
+    head = mixed.by_name()["lm_head"]
+    assert head.tied and head.stored_bytes == 0
+    assert mixed.bits_per_weight["linear"] == mixed.bits_per_weight["quantized"]
+    # Llama's is not tied: it counts at 16 bits
+    ll = plan_for_dir(tiny_llama, load_recipe(R / "gemma-mixed-w4.yaml"))
+    assert not ll.by_name()["lm_head"].tied and ll.bits_per_weight["linear"] > 6
+    # checkpoint: embeddings 2048x128 bf16 + norms + packed linears < dense
+    assert 2048 * 128 * 2 < mixed.expected_checkpoint_bytes < mixed.params["dense_bytes"]
+
+
+def test_plan_cli_json_and_table(tiny_gemma, capsys):
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(tiny_gemma),
+                "--recipe",
+                str(R / "gemma-mixed-w4.yaml"),
+                "--json",
+            ]
+        )
+        == 0
+    )
+    d = json.loads(capsys.readouterr().out)
+    assert d["recipe_name"] == "gemma-mixed-w4" and d["architecture"] == "Gemma3ForCausalLM"
+    assert {m["name"]: m["method"] for m in d["modules"]}["model.layers.2.mlp.down_proj"] == "gptq"
+    assert d["expected_checkpoint_bytes"] > 0 and "quantized" in d["bits_per_weight"]
+    assert (
+        main(["plan", "--model", str(tiny_gemma), "--recipe", str(R / "gemma-mixed-w4.yaml")]) == 0
+    )
+    err = capsys.readouterr().err
+    assert "model.layers.0.self_attn.q_proj" in err and "skipped" in err
+
+
+def test_plan_needs_a_checkpoint_dir(tmp_path, capsys):
+    code = main(
+        ["plan", "--model", str(tmp_path), "--recipe", str(R / "gemma-mixed-w4.yaml"), "--json"]
+    )
+    assert code == 2 and "config.json" in json.loads(capsys.readouterr().out)["message"]

@@ -1,0 +1,253 @@
+"""quantize on the tiny trained models: every recipe, saved config == plan, reload, KL.
+
+CPU only and small calibration (16 × 128 tokens, batch 16) so that the module runs in a
+few minutes on 2 cores. The KL comparison computes KL(ref‖quant) over held-out tokens
+with torch directly (it does not use pipeline.evaluate).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline.calibration import build_token_sets
+from pipeline.cli import main
+from pipeline.errors import StageError
+from pipeline.plan import Plan, load_meta_model
+from pipeline.quantize import REPORT, quantize, verify_saved_config
+from pipeline.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+R = ROOT / "recipes"
+ALL = ["gemma-mixed-w4", "awq-w4", "gptq-w4", "rtn-w4", "mixed-w4-nokv", "w8-int8"]
+CASES = [("tiny_gemma", r) for r in ALL] + [
+    ("tiny_llama", r) for r in ("gemma-mixed-w4", "awq-w4", "w8-int8")
+]
+KL_RESULTS: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+def _small(recipe_name: str):
+    r = load_recipe(R / f"{recipe_name}.yaml")
+    r.calibration.num_samples, r.calibration.seq_len, r.calibration.batch_size = 16, 128, 16
+    r.evaluation.sequences, r.evaluation.seq_len = 8, 128
+    return r
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("quantize")
+
+
+@pytest.fixture(scope="module")
+def tokens(work):
+    cache: dict = {}
+
+    def get(model_dir: Path, recipe):
+        key = str(model_dir)
+        if key not in cache:
+            tok = AutoTokenizer.from_pretrained(model_dir)
+            cache[key] = build_token_sets(
+                tok, recipe.calibration, recipe.evaluation, cache_dir=work / "cache"
+            )
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def quantized(work, tokens):
+    done: dict = {}
+
+    def get(model_dir: Path, recipe_name: str):
+        key = (str(model_dir), recipe_name)
+        if key not in done:
+            r = _small(recipe_name)
+            out = work / f"{Path(model_dir).name}--{recipe_name}"
+            done[key] = quantize(model_dir, r, out, token_sets=tokens(model_dir, r), device="cpu")
+        return done[key]
+
+    return get
+
+
+def _config_schemes(out: Path) -> dict[str, dict | None]:
+    """Module -> scheme as written in config.json, read independently of pipeline code."""
+    import re
+
+    qc = json.loads((out / "config.json").read_text()).get("quantization_config") or {}
+    meta = load_meta_model(out)
+    res = {}
+    for name, mod in meta.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        hits = []
+        for g in (qc.get("config_groups") or {}).values():
+            for t in g["targets"]:
+                ok = (
+                    re.match(t[3:], name)
+                    if t.startswith("re:")
+                    else (t == name or t == type(mod).__name__)
+                )
+                if ok and name not in (qc.get("ignore") or []):
+                    hits.append(g["weights"])
+                    break
+        assert len(hits) <= 1, f"{name} in {len(hits)} config groups"
+        if hits:
+            w = hits[0]
+            res[name] = {
+                "bits": w["num_bits"],
+                "symmetric": w["symmetric"],
+                "group_size": w["group_size"] if w["strategy"] == "group" else None,
+            }
+        else:
+            res[name] = None
+    return res
+
+
+@pytest.mark.parametrize("model,recipe_name", CASES)
+def test_recipe_quantizes_as_planned(model, recipe_name, request, quantized):
+    model_dir = request.getfixturevalue(model)
+    res = quantized(model_dir, recipe_name)
+    out = res.path
+    plan = res.plan
+    # the saved config carries exactly the planned scheme for every Linear
+    assert _config_schemes(out) == {m.name: m.scheme for m in plan.modules}
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized"
+    assert (qc.get("kv_cache_scheme") is not None) == (plan.kv_cache is not None)
+    # tensors: packed weights for quantized modules, KV scales when planned
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        keys = set(fh.keys())
+    for m in plan.modules:
+        assert (f"{m.name}.weight_packed" in keys) == bool(m.scheme), m.name
+    assert all(
+        (f"{lay}.self_attn.k_scale" in keys) == bool(plan.kv_cache) for lay in plan.decoder_layers
+    )
+    # report: per-module GPTQ error, AWQ per-mapping loss reduction, per-layer time, memory
+    rep = json.loads((out / REPORT).read_text())
+    gptq_mods = {m.name for m in plan.modules if m.method == "gptq"}
+    assert set(rep["gptq"]) == gptq_mods
+    assert all(v["error"] >= 0 for v in rep["gptq"].values())
+    assert [a["smooth"] for a in rep["awq"]] == [mp.smooth for mp in plan.applied_mappings()]
+    assert all(a["best_error"] <= a["initial_error"] for a in rep["awq"])
+    if plan.applied_mappings() or gptq_mods or plan.kv_cache:
+        layers = [x["layer"] for x in rep["layers"] if x["layer"].startswith("model.layers")]
+        assert layers == plan.decoder_layers
+    assert rep["peak_memory"]["peak_rss_bytes"] > 0
+    assert rep["reload_check"]["logits_finite"]
+    # size matches the plan's estimate within 3 % (safetensors header, metadata)
+    assert (
+        abs(rep["checkpoint"]["bytes"] - plan.expected_checkpoint_bytes)
+        < 0.03 * plan.expected_checkpoint_bytes
+    )
+    # tokenizer and generation config travel with the checkpoint
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / f).read_bytes() == (Path(model_dir) / f).read_bytes()
+    # reload with transformers; kept parts in bf16; finite logits
+    m = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
+    assert m.get_input_embeddings().weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.isfinite(m(input_ids=torch.tensor([[2, 100, 200, 300]])).logits).all()
+
+
+def _mean_kl(ref_dir: Path, q_dir: Path, ids: torch.Tensor) -> float:
+    def logp(d):
+        m = AutoModelForCausalLM.from_pretrained(d, device_map="cpu").eval()
+        with torch.no_grad():
+            return torch.log_softmax(m(input_ids=ids).logits.float(), dim=-1)
+
+    p, q = logp(ref_dir), logp(q_dir)
+    kl = (p.exp() * (p - q)).sum(-1)  # per token, KL(ref || quant)
+    return float(kl.mean())
+
+
+@pytest.mark.parametrize("model", ["tiny_gemma", "tiny_llama"])
+def test_mixed_has_lower_kl_than_rtn_with_same_schemes(model, request, quantized, tokens):
+    model_dir = request.getfixturevalue(model)
+    mixed = quantized(model_dir, "gemma-mixed-w4")
+    rtn = quantized(model_dir, "rtn-w4")
+    # rtn-w4 is the mixed recipe's schemes with round-to-nearest
+    sm = {m.name: m.scheme for m in mixed.plan.modules}
+    assert sm == {m.name: m.scheme for m in rtn.plan.modules}
+    assert mixed.plan.kv_cache == rtn.plan.kv_cache
+    ts = tokens(model_dir, _small("rtn-w4"))
+    assert ts.heldout_hash != ts.calib_hash
+    kl_mixed = _mean_kl(model_dir, mixed.path, ts.heldout_ids)
+    kl_rtn = _mean_kl(model_dir, rtn.path, ts.heldout_ids)
+    KL_RESULTS[model] = {"mixed": kl_mixed, "rtn": kl_rtn}
+    print(
+        f"\n{model}: mean KL mixed {kl_mixed:.5f} vs RTN {kl_rtn:.5f} ({1 - kl_mixed / kl_rtn:.1%} lower)"
+    )
+    assert 0 < kl_mixed < kl_rtn
+
+
+def test_silent_override_is_caught(quantized, tiny_gemma):
+    res = quantized(tiny_gemma, "gemma-mixed-w4")
+    tampered = Plan.from_json(res.plan.to_json())
+    victim = next(m for m in tampered.modules if m.name == "model.layers.1.mlp.up_proj")
+    victim.scheme = {
+        "bits": 4,
+        "symmetric": False,
+        "group_size": 128,
+    }  # what an AWQ-group override would give
+    with pytest.raises(StageError) as ei:
+        verify_saved_config(res.path, tampered, load_meta_model(res.path))
+    assert (
+        "model.layers.1.mlp.up_proj" in ei.value.message
+        and "differs from the planned" in ei.value.message
+    )
+    kept = Plan.from_json(res.plan.to_json())
+    next(m for m in kept.modules if m.name == "model.layers.0.self_attn.q_proj").scheme = None
+    with pytest.raises(StageError, match="model.layers.0.self_attn.q_proj was planned to stay"):
+        verify_saved_config(res.path, kept, load_meta_model(res.path))
+
+
+def test_failed_check_leaves_nothing(tiny_gemma, tmp_path, tokens, monkeypatch):
+    import pipeline.quantize as q
+
+    def boom(out_dir, ids):
+        raise StageError("reloaded checkpoint gives non-finite logits (first non-finite output: x)")
+
+    monkeypatch.setattr(q, "verify_reload", boom)
+    r = _small("rtn-w4")
+    r.kv_cache = None
+    out = tmp_path / "out"
+    with pytest.raises(StageError):
+        quantize(tiny_gemma, r, out, token_sets=tokens(tiny_gemma, r), device="cpu")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_quantize_cli(tiny_gemma, tmp_path, capsys):
+    d = yaml.safe_load((R / "rtn-w4.yaml").read_text())
+    d["calibration"].update(num_samples=8, seq_len=64, batch_size=8)
+    d["evaluation"].update(sequences=4, seq_len=64)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(d))
+    out = tmp_path / "q"
+    args = ["quantize", "--model", str(tiny_gemma), "--recipe", str(p), "--out", str(out)]
+    assert main([*args, "--cache-dir", str(tmp_path / "c"), "--json"]) == 0
+    cap = capsys.readouterr()
+    res = json.loads(cap.out)  # stdout holds only the JSON (library logs go to stderr)
+    assert res["path"] == str(out) and res["report"]["config_check"]["checked_modules"] == 29
+    assert "[4/4 layers] model.layers.3 done" in cap.err  # per-layer progress on stderr
+    # the output exists now: a second run is a usage error, nothing overwritten
+    assert main([*args, "--cache-dir", str(tmp_path / "c"), "--json"]) == 2
+    # an invalid recipe exits 2 before any compute
+    d["dtype"] = "float16"
+    p.write_text(yaml.safe_dump(d))
+    assert main([*args[:-1], str(tmp_path / "q2"), "--json"]) == 2
+    assert "bfloat16" in json.loads(capsys.readouterr().out)["hint"]
+    assert not (tmp_path / "q2").exists()

@@ -1,0 +1,222 @@
+"""Recipe schema and the invalid-recipe cases: each exits 2 naming the file, field and fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.cli import main
+from pipeline.errors import RecipeError
+from pipeline.plan import load_meta_model
+from pipeline.recipe import load_recipe, parse_recipe, validate_for_model
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+EXPECTED = {"gemma-mixed-w4", "awq-w4", "gptq-w4", "rtn-w4", "mixed-w4-nokv", "w8-int8"}
+
+
+def _base() -> dict:
+    return yaml.safe_load((ROOT / "recipes" / "gemma-mixed-w4.yaml").read_text())
+
+
+def _write(tmp_path: Path, data: dict, name: str = "r.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data, sort_keys=False))
+    return p
+
+
+def _plan_exit(model: Path, recipe: Path, capsys) -> tuple[int, dict]:
+    code = main(["plan", "--model", str(model), "--recipe", str(recipe), "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def test_all_recipes_load_with_gates_and_comment():
+    assert {p.stem for p in RECIPES} == EXPECTED
+    for p in RECIPES:
+        r = load_recipe(p)
+        assert r.name == p.stem
+        text = p.read_text()
+        assert text.lstrip().startswith("#") and "Choose it" in text, (
+            f"{p.name}: say when to choose it"
+        )
+        g = r.gates
+        assert g.kl_mean_max and g.kl_p99_max and g.top1_min and g.ppl_ratio_max, p.name
+        assert r.hash() == load_recipe(p).hash()
+        assert len(r.hash()) == 64
+    default = load_recipe(ROOT / "recipes" / "gemma-mixed-w4.yaml")
+    methods = {g.name: (g.method, g.scheme and g.scheme.label()) for g in default.groups}
+    assert methods == {
+        "attention": ("awq", "int4 asym g128"),
+        "mlp": ("gptq", "int4 sym g128"),
+        "head": ("none", None),
+    }
+    assert default.kv_cache is not None and default.dtype == "bfloat16"
+
+
+def test_hash_is_of_resolved_recipe(tmp_path):
+    a = _base()
+    b = _base()
+    b["calibration"].pop("seed")  # default 0 == explicit 0
+    assert parse_recipe(a).hash() == parse_recipe(b).hash()
+    b["calibration"]["seed"] = 1
+    assert parse_recipe(a).hash() != parse_recipe(b).hash()
+
+
+@pytest.mark.parametrize(
+    "mutate, field, fix",
+    [
+        (lambda d: d.update(colour="red"), "colour", "delete this key"),
+        (lambda d: d["groups"][0].update(bitz=4), "groups[0].bitz", "delete this key"),
+        (
+            lambda d: d["groups"][0]["scheme"].update(bits=3),
+            "groups[0].scheme.bits",
+            "allowed values",
+        ),
+        (lambda d: d["groups"][2].update(scheme={"bits": 4}), "groups[2]", "delete `scheme`"),
+        (
+            lambda d: d["groups"][0]["options"].update(dampening_frac=0.1),
+            "groups[0]",
+            "do not apply",
+        ),
+        (lambda d: d.update(kv_cache={"scheme": "int8"}), "kv_cache.scheme", "allowed values"),
+        (lambda d: d.update(dtype="fp16"), "dtype", "allowed values"),
+        (lambda d: d["calibration"].update(num_samples=0), "calibration.num_samples", "correct"),
+    ],
+)
+def test_schema_errors_name_file_field_fix(tmp_path, mutate, field, fix):
+    d = _base()
+    mutate(d)
+    p = _write(tmp_path, d)
+    with pytest.raises(RecipeError) as ei:
+        load_recipe(p)
+    e = ei.value
+    assert e.exit_code == 2
+    assert e.path == str(p)
+    assert f"`{field}" in e.message, e.message
+    assert fix in (e.hint or "") + e.message, str(e)
+
+
+def test_unknown_key_exits_2_via_cli(tmp_path, tiny_gemma):
+    d = _base()
+    d["gates"]["kl_mean"] = 0.1  # misspelt gate
+    p = _write(tmp_path, d)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "plan",
+            "--model",
+            str(tiny_gemma),
+            "--recipe",
+            str(p),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr
+    err = json.loads(proc.stdout)
+    assert err["error"] == "RecipeError" and err["path"] == str(p)
+    assert "gates.kl_mean" in err["message"] and "delete this key" in err["hint"]
+
+
+def test_overlap_names_both_groups_and_a_module(tmp_path, tiny_gemma, capsys):
+    d = _base()
+    d["groups"][1]["targets"] = ["re:.*_proj$"]  # MLP group now also grabs attention
+    code, err = _plan_exit(tiny_gemma, _write(tmp_path, d), capsys)
+    assert code == 2
+    msg = err["message"]
+    assert "'attention'" in msg and "'mlp'" in msg and "overlap" in msg
+    assert "model.layers.0.self_attn.q_proj" in msg
+    assert "exactly one group" in err["hint"]
+
+
+def test_overlap_by_class_name(tmp_path, tiny_llama, capsys):
+    d = _base()
+    d["groups"].insert(
+        0, {"name": "all", "targets": ["Linear"], "method": "rtn", "scheme": {"bits": 8}}
+    )
+    code, err = _plan_exit(tiny_llama, _write(tmp_path, d), capsys)
+    assert code == 2 and "'all'" in err["message"] and "'attention'" in err["message"]
+
+
+def test_target_matching_nothing(tmp_path, tiny_gemma, capsys):
+    d = _base()
+    d["groups"][1]["targets"].append("re:.*feed_forward\\.w1$")
+    code, err = _plan_exit(tiny_gemma, _write(tmp_path, d), capsys)
+    assert code == 2
+    assert "groups[1].targets[1]" in err["message"] and "matches no module" in err["message"]
+    assert "feed_forward" in err["message"] and "module names look like" in err["hint"]
+
+
+def test_group_size_must_divide_input_width(tmp_path, tiny_llama, capsys):
+    d = _base()
+    d["groups"][1]["scheme"]["group_size"] = 256  # llama down_proj takes 384
+    code, err = _plan_exit(tiny_llama, _write(tmp_path, d), capsys)
+    assert code == 2
+    msg = err["message"]
+    assert "groups[1].scheme.group_size" in msg
+    assert "model.layers.0.mlp.gate_proj" in msg and "width 128" in msg
+    assert "divides 128" in err["hint"]
+
+
+def test_group_size_names_the_wide_module(tmp_path, tiny_llama, capsys):
+    d = _base()
+    d["groups"][1]["targets"] = ["re:.*mlp\\.(gate|up|down)_proj$"]
+    d["groups"][1]["scheme"]["group_size"] = 256
+    d["groups"][1]["targets"] = ["re:.*mlp\\.down_proj$"]
+    d["groups"].insert(
+        2, {"name": "mlp_in", "targets": ["re:.*mlp\\.(gate|up)_proj$"], "method": "none"}
+    )
+    code, err = _plan_exit(tiny_llama, _write(tmp_path, d), capsys)
+    assert code == 2
+    assert "model.layers.0.mlp.down_proj" in err["message"] and "width 384" in err["message"]
+
+
+def test_fp16_for_gemma_says_use_bf16(tmp_path, tiny_gemma, tiny_llama, capsys):
+    d = _base()
+    d["dtype"] = "float16"
+    p = _write(tmp_path, d)
+    code, err = _plan_exit(tiny_gemma, p, capsys)
+    assert code == 2
+    assert (
+        "`dtype`" in err["message"] and "Gemma" in err["message"] and "overflow" in err["message"]
+    )
+    assert "bfloat16" in err["hint"]
+    code, _ = _plan_exit(tiny_llama, p, capsys)  # fine for Llama
+    assert code == 0
+
+
+def test_every_linear_needs_a_group(tmp_path, tiny_gemma):
+    d = _base()
+    d["groups"] = d["groups"][:2]  # lm_head no longer matched
+    r = load_recipe(_write(tmp_path, d))
+    with pytest.raises(RecipeError) as ei:
+        validate_for_model(r, load_meta_model(tiny_gemma))
+    assert "lm_head" in ei.value.message and "method: none" in ei.value.hint
+
+
+def test_quantizing_group_cannot_target_non_linear(tmp_path, tiny_gemma):
+    d = _base()
+    d["groups"][0]["targets"] = ["re:.*self_attn"]  # also matches the attention module
+    r = load_recipe(_write(tmp_path, d))
+    with pytest.raises(RecipeError) as ei:
+        validate_for_model(r, load_meta_model(tiny_gemma))
+    assert "not a Linear" in ei.value.message and "Gemma3Attention" in ei.value.message
+
+
+def test_yaml_syntax_and_missing_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: [unclosed\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(p)
+    with pytest.raises(RecipeError, match="cannot read"):
+        load_recipe(tmp_path / "nope.yaml")
