@@ -95,9 +95,16 @@ def quantize_figures(report: dict | None) -> dict:
             "quantize_s": t.get("total"),
             # GPU: peak allocated during this quantize; CPU: the process's peak RSS
             "peak_mem_bytes": peak.get("cuda_max_allocated_bytes", peak.get("peak_rss_bytes")),
+            "peak_mem_kind": _peak_kind(peak),
         }.items()
         if v is not None
     }
+
+
+def _peak_kind(peak: dict) -> str | None:
+    if peak.get("cuda_max_allocated_bytes") is not None:
+        return "cuda_max_allocated"
+    return "process_peak_rss" if peak.get("peak_rss_bytes") is not None else None
 
 
 def compare_block(
@@ -119,9 +126,66 @@ def _json(path: Path) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+REPORT_SUFFIX = ".report"  # `qship run --out X` writes the artifact X and the report X.report
+
+
+def _pair(d: Path) -> Path:
+    n = d.name
+    return d.with_name(n[: -len(REPORT_SUFFIX)] if n.endswith(REPORT_SUFFIX) else n + REPORT_SUFFIX)
+
+
+def _fallback_block(ev: dict, d: Path) -> dict:
+    """Row figures for an eval.json without a "compare" block, from the files that
+    `qship quantize` (quantize_report.json) and `qship run` (report dir: plan.json, run.json;
+    artifact: provenance.json, recipe.yaml, *.safetensors) leave beside it."""
+    dirs = [d] + ([_pair(d)] if _pair(d).is_dir() else [])
+
+    def j(name: str) -> dict:
+        for x in dirs:
+            if (obj := _json(x / name)) is not None:
+                return obj
+        return {}
+
+    block = quantize_figures(ev.get("quantize") or j("quantize_report.json"))
+    plan, prov, run = j("plan.json"), j("provenance.json"), j("run.json")
+    qprov = prov.get("quantize") if isinstance(prov.get("quantize"), dict) else {}
+    peak = qprov.get("peak_memory") if isinstance(qprov.get("peak_memory"), dict) else {}
+    stages = run.get("stages") if isinstance(run.get("stages"), list) else []
+    qstage = next((s for s in stages if isinstance(s, dict) and s.get("stage") == "quantize"), {})
+    recipe_name = None
+    for x in dirs:
+        if (x / "recipe.yaml").is_file():
+            import yaml
+
+            try:
+                recipe_name = (yaml.safe_load((x / "recipe.yaml").read_text()) or {}).get("name")
+            except yaml.YAMLError:
+                pass
+    weights = [p for x in dirs for p in x.glob("*.safetensors")]
+    bpw = plan.get("bits_per_weight") if isinstance(plan.get("bits_per_weight"), dict) else {}
+    fallback = {
+        "name": plan.get("recipe_name") or qstage.get("recipe") or recipe_name,
+        "recipe_hash": prov.get("recipe_sha256_resolved") or plan.get("recipe_hash"),
+        "bits_per_weight": bpw.get("quantized"),
+        # the artifact's weights when it exists (the gate passed), else the plan's estimate
+        "size_bytes": sum(p.stat().st_size for p in weights)
+        if weights
+        else plan.get("expected_checkpoint_bytes"),
+        "quantize_s": qprov.get("seconds"),
+        "peak_mem_bytes": peak.get("cuda_max_allocated_bytes", peak.get("peak_rss_bytes")),
+        "peak_mem_kind": _peak_kind(peak),
+    }
+    for k, v in fallback.items():
+        if block.get(k) is None and v is not None:
+            block[k] = v
+    if not block.get("name"):
+        n = d.name
+        block["name"] = n[: -len(REPORT_SUFFIX)] if n.endswith(REPORT_SUFFIX) else n
+    return block
+
+
 def row_from_file(path: Path) -> dict:
-    """A report row from one eval.json (plus quantize_report.json / provenance.json / recipe
-    beside it when its "compare" block is missing)."""
+    """A report row from one eval.json (its "compare" block, or the files beside it)."""
     path = Path(path)
     ev = _json(path)
     if ev is None:
@@ -131,33 +195,14 @@ def row_from_file(path: Path) -> dict:
             hint="pass eval.json files or the folders holding them",
         )
     if not isinstance(ev.get("compare"), dict):
-        d = path.parent
-        block = quantize_figures(ev.get("quantize") or _json(d / "quantize_report.json"))
-        prov = _json(d / "provenance.json") or {}
-        tim = prov.get("timings") if isinstance(prov.get("timings"), dict) else {}
-        if "quantize_s" not in block and tim.get("quantize_s") is not None:
-            block["quantize_s"] = tim["quantize_s"]
-        if "recipe_hash" not in block and isinstance(prov.get("recipe"), dict):
-            block["recipe_hash"] = prov["recipe"].get("sha256") or prov["recipe"].get("hash")
-        if "size_bytes" not in block:
-            st = list(d.glob("*.safetensors"))
-            if st:
-                block["size_bytes"] = sum(p.stat().st_size for p in st)
-        if "name" not in block and (d / "recipe.yaml").is_file():
-            import yaml
-
-            try:
-                block["name"] = (yaml.safe_load((d / "recipe.yaml").read_text()) or {}).get("name")
-            except yaml.YAMLError:
-                pass
-        block.setdefault("name", d.name)
-        ev = {**ev, "compare": block}
+        ev = {**ev, "compare": _fallback_block(ev, path.parent)}
     return row_from_eval(ev, source=None)
 
 
 def find_eval_files(paths: list[Path]) -> list[Path]:
     """eval.json files: each path is a file, or a folder searched recursively (a download of
-    several CI artifacts is one folder per artifact)."""
+    several CI artifacts is one folder per artifact). Of an artifact X and its report
+    folder X.report (both hold the evaluation), only X.report/eval.json is taken."""
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_file():
@@ -173,7 +218,21 @@ def find_eval_files(paths: list[Path]) -> list[Path]:
             out += found
         else:
             raise UsageError(f"{p} does not exist", path=str(p), hint="check the path")
-    return out
+    have = {f.resolve() for f in out}
+    return [
+        f
+        for f in out
+        if f.parent.name.endswith(REPORT_SUFFIX)
+        or (_pair(f.parent) / EVAL_FILE).resolve() not in have
+    ]
+
+
+def _artifact_dir(eval_file: Path) -> str:
+    """Where the recipe's checkpoint/artifact is: X for X.report/eval.json when X exists."""
+    d = eval_file.parent
+    if d.name.endswith(REPORT_SUFFIX) and _pair(d).is_dir():
+        return str(_pair(d))
+    return str(d)
 
 
 @dataclass
@@ -222,7 +281,7 @@ def collect(paths: list[Path], out: Path) -> CompareResult:
     """Merge eval.json files (CI matrix jobs) into the report in `out`."""
     files = find_eval_files(paths)
     rows = [row_from_file(p) for p in files]
-    sources = {r["name"]: str(f.parent) for r, f in zip(rows, files, strict=True)}
+    sources = {r["name"]: _artifact_dir(f) for r, f in zip(rows, files, strict=True)}
     return CompareResult(Path(out), write_report(rows, out), sources)
 
 
@@ -242,49 +301,28 @@ def _check_same_heldout(hashes: dict[str, str | None]) -> None:
         )
 
 
-def _source_dir(model: str | Path, cache_dir: Path) -> tuple[Path, dict]:
-    """The plain checkpoint to quantize and to use as the reference: through the fetch
-    stage (hashes checked, cached) when it exists, else a local checkpoint directory."""
+def _snapshot(model: str | Path, ctx):
+    """The fetch stage (runner.fetch_stage: hashes checked, cached). Until pipeline/fetch.py
+    lands, a local checkpoint directory stands in for a Snapshot."""
+    from . import runner
+
     try:
-        from . import fetch as fetch_mod
-    except ImportError:  # fetch stage not on this branch yet: local directories only
-        fetch_mod = None
-    if fetch_mod is not None and hasattr(fetch_mod, "fetch"):
-        snap = fetch_mod.fetch(str(model), cache_dir=cache_dir)
-        info = snap.to_json() if hasattr(snap, "to_json") else {"path": str(snap.path)}
-        return Path(snap.path), info
-    p = Path(model)
-    if not (p / "config.json").is_file():
-        raise UsageError(
-            f"{model} is not a local checkpoint directory (no config.json)",
-            path=str(model),
-            hint="pass a folder with config.json and *.safetensors",
-        )
-    return p, {"path": str(p), "source": str(model)}
+        import pipeline.fetch  # noqa: F401
+    except ImportError:
+        from types import SimpleNamespace
 
+        from .reference_cache import model_hash
 
-def _quantize_cached(src: Path, model_hash: str, recipe, tokens, cache_dir: Path, device):
-    """quantize.quantize through the stage cache: same model, recipe and calibration tokens
-    -> the stored checkpoint (and its quantize report, timings included) is reused."""
-    from .cache import StageCache, stage_key
-    from .quantize import quantize
-
-    key = stage_key(
-        "quantize",
-        {
-            "model_hash": model_hash,
-            "recipe_hash": recipe.hash(),
-            "calib_hash": tokens.calib_hash,
-            "device": device or "auto",
-        },
-    )
-
-    def build(tmp: Path) -> dict:
-        res = quantize(src, recipe, tmp / "model", token_sets=tokens, device=device)
-        return {"dir": "model", "report": res.report}
-
-    entry = StageCache(cache_dir).get_or_build("quantize", key, build)
-    return entry.path / entry.record["dir"], entry.record["report"], entry.hit
+        p = Path(model)
+        if not (p / "config.json").is_file():
+            raise UsageError(
+                f"{model} is not a local checkpoint directory (no config.json), and the "
+                "fetch stage is not available",
+                path=str(model),
+                hint="pass a folder with config.json and *.safetensors",
+            ) from None
+        return SimpleNamespace(path=p, source=str(model), model_hash=model_hash(p))
+    return runner.fetch_stage(str(model), ctx)
 
 
 def per_token_kl(
@@ -343,84 +381,62 @@ def compare(
 def _compare(
     model, recipes, out: Path, *, cache_dir: Path, device, kl_tokens: bool
 ) -> CompareResult:
-    from transformers import AutoTokenizer
-
     from . import evaluate as ev_mod
-    from . import gate, reference_cache
-    from .calibration import build_token_sets
+    from . import runner
     from .plan import load_meta_model
     from .recipe import load_recipe, validate_for_model
 
     device = device or ev_mod.default_device()
     loaded = [load_recipe(p) for p in recipes]
     matrix(list(recipes))  # unique names, before any compute
-    src, src_info = _source_dir(model, cache_dir)
-    meta = load_meta_model(src)
+    ctx = runner.Context(cache_dir, device=device)
+    snap = _snapshot(model, ctx)
+    meta = load_meta_model(Path(snap.path))
     for r in loaded:  # every recipe checked against the model before the first quantize
         validate_for_model(r, meta)
     del meta
-    tok = AutoTokenizer.from_pretrained(src)
-    mhash = reference_cache.model_hash(src)
-    tokens = {
-        r.name: build_token_sets(tok, r.calibration, r.evaluation, cache_dir=cache_dir)
-        for r in loaded
-    }
+    tokens = {r.name: runner.tokens_stage(snap, r, ctx) for r in loaded}
     _check_same_heldout({n: t.heldout_hash for n, t in tokens.items()})
 
     files: list[Path] = []
     for path, r in zip(recipes, loaded, strict=True):
         ts = tokens[r.name]
         _log(f"{r.name}: quantize")
-        qdir, qreport, hit = _quantize_cached(src, mhash, r, ts, cache_dir, device)
-        _log(
-            f"{r.name}: evaluate ({'quantized checkpoint from cache' if hit else 'freshly quantized'})"
-        )
-        e = r.evaluation
-        result = ev_mod.evaluate(
-            src,
-            qdir,
-            heldout_ids=ts.heldout_ids,
-            heldout_hash=ts.heldout_hash,
-            cache_dir=cache_dir,
-            tasks=e.tasks,
-            hub_tasks=e.hub_tasks,
-            limit=e.limit,
-            batch_size=e.batch_size,
-            device=device,
-            corpus={"source": ts.source, "corpus_hash": ts.corpus_hash, "recipe": str(path)},
-        )
-        verdict = gate.check(result.to_json(), r.gates)
+        q = runner.quantize_stage(snap, r, ts, ctx)
+        _log(f"{r.name}: evaluate")
+        evaluated = runner.evaluate_stage(snap, q, r, ts, ctx)
         rdir = out / "recipes" / r.name
         rdir.mkdir(parents=True, exist_ok=True)
-        ev_mod.write_outputs(result, verdict, rdir)  # eval.json + eval.md, as `qship evaluate`
+        # eval.json + eval.md, as `qship evaluate` and `qship run` write them
+        ev_mod.write_outputs(evaluated.eval_json, evaluated.verdict, rdir)
         kl = None
-        if kl_tokens and result.reference_cache:
-            kl = per_token_kl(
-                qdir, ts.heldout_ids, result.reference_cache, batch_size=e.batch_size, device=device
-            )
-            mean = float(kl.mean())
-            if abs(mean - result.metrics["kl"]["mean"]) > 1e-9 * max(1.0, mean):
+        ref = evaluated.eval_json.get("reference_cache")
+        if kl_tokens and ref:
+            e = r.evaluation
+            kl = per_token_kl(q.path, ts.heldout_ids, ref, batch_size=e.batch_size, device=device)
+            mean, want = float(kl.mean()), evaluated.eval_json["metrics"]["kl"]["mean"]
+            if abs(mean - want) > 1e-9 * max(1.0, mean):
                 from .errors import StageError
 
                 raise StageError(
                     f"per-token KL of {r.name} (mean {mean!r}) disagrees with evaluate's "
-                    f"mean {result.metrics['kl']['mean']!r}",
-                    path=str(qdir),
+                    f"mean {want!r}",
+                    path=str(q.path),
                     hint="evaluate changed how it scores tokens; align compare.per_token_kl",
                 )
         ev = json.loads((rdir / EVAL_FILE).read_text())
         ev["compare"] = compare_block(
-            name=r.name, recipe=Path(path).as_posix(), quantize_report=qreport, kl_tokens=kl
+            name=r.name, recipe=Path(path).as_posix(), quantize_report=q.record, kl_tokens=kl
         )
-        ev["compare"]["model"] = str(model)
-        ev["compare"]["quantized_dir"] = str(qdir)
+        ev["compare"].update(model=str(model), quantized_dir=str(q.path))
         atomic_write_text(
             rdir / EVAL_FILE, json.dumps(ev, indent=2, sort_keys=True, default=str) + "\n"
         )
         files.append(rdir / EVAL_FILE)
+        kl_mean = evaluated.eval_json["metrics"]["kl"]["mean"]
         _log(
-            f"{r.name}: KL mean {result.metrics['kl']['mean']:.4g}, gate {'passed' if verdict.passed else 'FAILED'}"
+            f"{r.name}: KL mean {kl_mean:.4g}, gate {'passed' if evaluated.verdict.passed else 'FAILED'}"
         )
     rows = [row_from_file(f) for f in files]
-    sources = {r["name"]: str(f.parent) for r, f in zip(rows, files, strict=True)}
+    sources = {row["name"]: str(f.parent) for row, f in zip(rows, files, strict=True)}
     return CompareResult(out, write_report(rows, out), sources)

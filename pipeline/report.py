@@ -14,6 +14,9 @@ Row schema (one per recipe; every figure may be None when the stage did not repo
     size_bytes       bytes of the checkpoint's *.safetensors
     quantize_s       wall time of the quantize stage (s)
     peak_mem_bytes   peak memory of the quantize stage
+    peak_mem_kind    "cuda_max_allocated" (GPU, reset per quantize) or "process_peak_rss"
+                     (CPU: the process's high-water mark, so in one process it also covers
+                     the recipes run before it)
     tokens           scored held-out tokens
     kl_mean kl_stderr kl_median kl_p90 kl_p99 kl_p999 kl_max    KL(ref||quant), nats/token
     top1             top-1 agreement with the reference
@@ -161,6 +164,7 @@ def row_from_eval(ev: dict, **extra: Any) -> dict:
         "size_bytes": _num(cmp.get("size_bytes", ev.get("size_bytes"))),
         "quantize_s": _num(cmp.get("quantize_s")),
         "peak_mem_bytes": _num(cmp.get("peak_mem_bytes")),
+        "peak_mem_kind": cmp.get("peak_mem_kind"),
         "tokens": _num(m.get("tokens")),
     }
     for k in ("mean", "stderr", "median", "p90", "p99", "p999", "max"):
@@ -294,6 +298,19 @@ def _verdict_text(r: dict) -> str:
     return "FAIL" + (f" ({', '.join(failed)})" if failed else "")
 
 
+PEAK_RSS_NOTE = (
+    "peak mem: the process's peak RSS (CPU run); within one `qship compare` process it is a "
+    "high-water mark that includes the recipes run before, so compare it only across "
+    "separate jobs (on a GPU it is torch.cuda.max_memory_allocated per quantize)."
+)
+
+
+def _notes(rows: list[dict]) -> list[str]:
+    return (
+        [PEAK_RSS_NOTE] if any(r.get("peak_mem_kind") == "process_peak_rss" for r in rows) else []
+    )
+
+
 def render_md(report: dict) -> str:
     rows = report["rows"]
     cols = _columns(rows)
@@ -323,6 +340,7 @@ def render_md(report: dict) -> str:
         "on held-out tokens.",
         "",
     ]
+    lines += [*(f"{n}\n" for n in _notes(rows))]
     return "\n".join(lines)
 
 
@@ -416,24 +434,17 @@ def plot_pareto(report: dict) -> bytes | None:
             zorder=3,
             label=label,
         )
-    for i, r in enumerate(sorted(rows, key=lambda r: (r["bits_per_weight"], r["kl_mean"]))):
-        on = r["name"] in front
-        ax.scatter(
-            [r["bits_per_weight"]],
-            [r["kl_mean"]],
-            s=260 if on else 0,
-            facecolors="none",
-            edgecolors="k",
-            linewidths=1.0,
-            zorder=2,
-        )
-        ax.annotate(
-            r["name"] + (" ★" if r["name"] == report["best"] else ""),
-            (r["bits_per_weight"], r["kl_mean"]),
-            xytext=(9, 4 if i % 2 == 0 else -11),
-            textcoords="offset points",
-            fontsize=8,
-        )
+    for r in rows:
+        if r["name"] in front:
+            ax.scatter(
+                [r["bits_per_weight"]],
+                [r["kl_mean"]],
+                s=260,
+                facecolors="none",
+                edgecolors="k",
+                linewidths=1.0,
+                zorder=2,
+            )
     ax.scatter([], [], s=120, facecolors="none", edgecolors="k", label="on the front")
     ax.set_xlabel("bits per weight (quantized Linear layers)")
     ax.set_ylabel("mean KL(ref ‖ quant), nats/token")
@@ -445,7 +456,37 @@ def plot_pareto(report: dict) -> bytes | None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
+    _label_points(ax, rows, report["best"])
     return _figure_png(fig)
+
+
+def _label_points(ax, rows: list[dict], best: str | None) -> None:
+    """Name every point, to its right; labels of points close on screen are stacked at
+    least one text line apart (greedy, in display pixels) so none overlap."""
+    fig = ax.figure
+    fig.canvas.draw()  # fixes the limits and hence the data -> pixel transform
+    pts = []
+    for r in rows:
+        x, y = ax.transData.transform((r["bits_per_weight"], r["kl_mean"]))
+        pts.append([x, y, y, r])  # x px, y px, label y px, row
+    line = 12.0 * fig.dpi / 72.0  # a text line of 8 pt plus leading, in pixels
+    pts.sort(key=lambda p: (-p[1], p[0]))  # top to bottom
+    placed: list[list] = []
+    for p in pts:
+        for q in placed:
+            if abs(q[0] - p[0]) < 70 and q[2] - p[2] < line:
+                p[2] = q[2] - line
+        placed.append(p)
+    for x, y, ly, r in placed:
+        ax.annotate(
+            r["name"] + (" ★" if r["name"] == best else ""),
+            ax.transData.inverted().transform((x, y)),
+            xytext=((x + 15) * 72.0 / fig.dpi, ly * 72.0 / fig.dpi),
+            va="center",
+            textcoords="figure points",  # dpi-independent: savefig may use another dpi
+            fontsize=8,
+            arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6} if abs(ly - y) > 1 else None,
+        )
 
 
 def plot_kl_distribution(report: dict) -> bytes | None:
@@ -529,6 +570,7 @@ def render_html(report: dict, images: dict[str, bytes | None]) -> str:
         "</tbody></table>",
         "<p>Green: best in its column (ppl ratio: closest to 1). &#9670;: on the Pareto front "
         "of bits/weight vs mean KL. KL in nats per token on held-out tokens.</p>",
+        *(f"<p>{e(n)}</p>" for n in _notes(rows)),
     ]
     captions = {
         "pareto": "Bits per weight vs mean KL (the Pareto front dashed, front members circled)",
