@@ -74,7 +74,8 @@ def compared(tmp_path_factory, tiny_llama, recipes, threads) -> dict:
         rc = main([*args, "--json"])
     assert rc == 0, buf.getvalue()
     res = json.loads(buf.getvalue())
-    return {"out": out, "res": res, "report": json.loads((out / "compare.json").read_text())}
+    report = json.loads((out / "compare.json").read_text())
+    return {"out": out, "res": res, "report": report, "cache": work / "cache", "args": args}
 
 
 def test_compare_writes_full_report(compared):
@@ -94,6 +95,27 @@ def test_compare_writes_full_report(compared):
         assert sum(h["counts"]) + h["zero"] == r["tokens"] == 4 * 63
     md = (out / "compare.md").read_text()
     assert "FAIL (kl_mean_max)" in md and "**tiny-gptq**" in md
+
+
+def _entries(cache: Path, stage: str) -> list[str]:
+    d = cache / stage
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
+
+
+def test_recipes_share_tokens_and_reference(compared):
+    """Two recipes with the same calibration/evaluation settings: one token set, one
+    reference pass, two quantizations; a second comparison quantizes nothing."""
+    cache = compared["cache"]
+    assert len(_entries(cache, "tokens")) == 1
+    assert len(_entries(cache, "reference")) == 1
+    assert len(_entries(cache, "quantize")) == 2
+    before = {s: _entries(cache, s) for s in ("quantize", "evaluate", "reference")}
+    out2 = compared["out"].with_name("report2")
+    args = [a if a != str(compared["out"]) else str(out2) for a in compared["args"]]
+    assert main(args) == 0
+    assert {s: _entries(cache, s) for s in before} == before
+    a = json.loads((out2 / "compare.json").read_text())
+    assert a == compared["report"]  # same cached stages -> the same report
 
 
 def test_compare_equals_separate_evaluate_runs(compared, tiny_llama, recipes, tmp_path):
