@@ -164,7 +164,10 @@ def _fallback_block(ev: dict, d: Path) -> dict:
     weights = [p for x in dirs for p in x.glob("*.safetensors")]
     bpw = plan.get("bits_per_weight") if isinstance(plan.get("bits_per_weight"), dict) else {}
     fallback = {
-        "name": plan.get("recipe_name") or qstage.get("recipe") or recipe_name,
+        "name": plan.get("recipe_name")
+        or qstage.get("recipe")
+        or (prov["recipe"].get("name") if isinstance(prov.get("recipe"), dict) else None)
+        or recipe_name,
         "recipe_hash": prov.get("recipe_sha256_resolved") or plan.get("recipe_hash"),
         "bits_per_weight": bpw.get("quantized"),
         # the artifact's weights when it exists (the gate passed), else the plan's estimate
