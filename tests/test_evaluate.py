@@ -261,3 +261,30 @@ def test_cli_evaluate_exit_4_with_json(tiny_llama, llama_2bit, tmp_path, capsys)
     assert data["verdict"]["failed"] == ["kl_mean_max", "top1_min"]
     assert (out / "eval.json").is_file() and (out / "eval.md").is_file()
     assert data["corpus"]["source"].startswith("builtin:english")
+
+
+@pytest.mark.slow
+def test_gemma270m_cached_agrees_with_exact(tmp_path):
+    """Real Gemma 3 270M: cached (top-k + tail) mean KL within 1 % of the exact one.
+
+    Needs QSHIP_GEMMA_REF (dense bf16 checkpoint dir) and QSHIP_GEMMA_CAND (a quantized
+    one, e.g. W4A16 + FP8 KV); optional QSHIP_GEMMA_IDS (a saved LongTensor of token ids).
+    """
+    import os
+
+    ref, cand = os.environ.get("QSHIP_GEMMA_REF"), os.environ.get("QSHIP_GEMMA_CAND")
+    if not (ref and cand):
+        pytest.skip("set QSHIP_GEMMA_REF and QSHIP_GEMMA_CAND")
+    if os.environ.get("QSHIP_GEMMA_IDS"):
+        flat = torch.load(os.environ["QSHIP_GEMMA_IDS"]).long().flatten()
+    else:
+        from transformers import AutoTokenizer
+
+        flat = torch.tensor(AutoTokenizer.from_pretrained(ref)(_lee("lee.cor"))["input_ids"])
+    n, L = 8, 512
+    ids = flat[: n * L].view(n, L)
+    kw = {"heldout_ids": ids, "heldout_hash": "gemma-slow", "cache_dir": tmp_path, "batch_size": 2}
+    e = ev.evaluate(ref, cand, exact=True, kv_off=False, **kw).metrics["kl"]["mean"]
+    c = ev.evaluate(ref, cand, kv_off=False, **kw).metrics["kl"]["mean"]
+    assert c <= e * (1 + 1e-6)
+    assert (e - c) / e < 0.01, f"cached {c} vs exact {e}"
