@@ -228,3 +228,16 @@ def test_html_is_self_contained_with_valid_pngs(compared):
         im = Image.open(io.BytesIO(data))
         im.verify()
         assert Image.open(io.BytesIO(data)).size[0] > 300
+
+
+def test_different_heldout_tokens_refused(tiny_llama, recipes, tmp_path):
+    """KL on different held-out tokens does not compare: exit 2 before any quantization."""
+    d = yaml.safe_load(recipes[1].read_text())
+    d["name"] = "other-eval"
+    d["evaluation"]["sequences"] = 3
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(d))
+    args = ["compare", "--model", str(tiny_llama), "--recipes", str(recipes[0]), str(other)]
+    args += ["--out", str(tmp_path / "rep"), "--cache-dir", str(tmp_path / "cache")]
+    assert main(args) == 2
+    assert not (tmp_path / "cache" / "quantize").exists() and not (tmp_path / "rep").exists()
