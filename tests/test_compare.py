@@ -241,3 +241,67 @@ def test_different_heldout_tokens_refused(tiny_llama, recipes, tmp_path):
     args += ["--out", str(tmp_path / "rep"), "--cache-dir", str(tmp_path / "cache")]
     assert main(args) == 2
     assert not (tmp_path / "cache" / "quantize").exists() and not (tmp_path / "rep").exists()
+
+
+def test_collect_of_qship_run_jobs_equals_compare(
+    compared, tiny_llama, recipes, tmp_path, monkeypatch
+):
+    """The CI path of .github/workflows/qship-compare.yml: one `qship run` per recipe (the
+    matrix jobs), their results/ folders merged by `qship compare --collect`: the same
+    figures, verdicts and best recipe as the in-process comparison, and best_dir is the
+    packaged artifact to publish. Shares the comparison's cache: `qship run` hits the
+    quantize and evaluate entries that `qship compare` wrote."""
+    from pipeline import runner
+
+    try:
+        import pipeline.fetch  # noqa: F401
+    except ImportError:  # fetch stage not landed yet: a local-directory snapshot stands in
+        from types import SimpleNamespace
+
+        from pipeline.reference_cache import model_hash
+
+        def fake_fetch(source, ctx, *, allow_pickle=False):
+            p = Path(source)
+            return SimpleNamespace(
+                path=p, source=str(p), repo_id=None, revision=None, model_hash=model_hash(p),
+                manifest=None, files={}, license=None,
+            )  # fmt: skip
+
+        monkeypatch.setattr(runner, "fetch_stage", fake_fetch)
+    cache = compared["cache"]
+    before = _entries(cache, "quantize")
+    for rp in recipes:
+        name = yaml.safe_load(rp.read_text())["name"]
+        job = tmp_path / "download" / f"qship-{name}"  # download-artifact: one folder per job
+        args = ["run", "--model", str(tiny_llama), "--recipe", str(rp), "--out", str(job / name)]
+        rc = main([*args, "--cache-dir", str(cache), "--device", "cpu"])
+        assert rc == (0 if name == "tiny-gptq" else 4)
+    assert _entries(cache, "quantize") == before  # nothing re-quantized
+    buf = io.StringIO()
+    import contextlib
+
+    with contextlib.redirect_stdout(buf):
+        rc = main(
+            [
+                "compare",
+                "--collect",
+                str(tmp_path / "download"),
+                "--out",
+                str(tmp_path / "rep"),
+                "--json",
+            ]
+        )
+    assert rc == 0
+    res = json.loads(buf.getvalue())
+    assert res["best"] == "tiny-gptq"
+    assert Path(res["best_dir"]) == tmp_path / "download" / "qship-tiny-gptq" / "tiny-gptq"
+    assert (Path(res["best_dir"]) / "SHA256SUMS").is_file()  # the packaged artifact
+    coll = json.loads((tmp_path / "rep" / "compare.json").read_text())
+    want = {r["name"]: r for r in compared["report"]["rows"]}
+    assert coll["recipes"] == compared["report"]["recipes"]
+    for r in coll["rows"]:
+        w = want[r["name"]]
+        for k in QUALITY[:-1]:  # size: the artifact's re-packed shards vs the checkpoint
+            assert r[k] == pytest.approx(w[k], rel=1e-9, abs=1e-12), (r["name"], k)
+        assert r["passed"] is w["passed"]
+        assert [c["name"] for c in r["checks"]] == [c["name"] for c in w["checks"]]
