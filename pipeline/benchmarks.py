@@ -190,11 +190,11 @@ def compare(
     """Scores of both models on every task, with drop = how much worse the candidate is."""
     online, why = hub_reachable() if hub_tasks else (False, "")
 
-    def run(model_dir: Path) -> dict[str, dict]:
+    def run(model_dir: Path, hub: list[str]) -> dict[str, dict]:
         res = run_lm_eval(
             model_dir, tasks, tasks_dir=tasks_dir, limit=limit, device=device, dtype=dtype
         )
-        for ht in hub_tasks:  # one child each: one unavailable dataset skips only its task
+        for ht in hub:  # one child each: one unavailable dataset skips only its task
             hub = run_lm_eval(
                 model_dir,
                 [ht],
@@ -228,10 +228,13 @@ def compare(
     if hit and all(r.get("status") == "ok" for r in hit.record["results"].values()):
         ref_res, ref_hit = hit.record["results"], True
     else:
-        ref_res, ref_hit = run(reference_dir), False
+        ref_res, ref_hit = run(reference_dir, hub_tasks), False
         if all(r.get("status") == "ok" for r in ref_res.values()):
             cache.get_or_build("reference-bench", key, lambda tmp: {"results": ref_res}, force=True)
-    cand_res = run(candidate_dir)
+    # a hub task whose data the reference run could not get is not retried for the candidate
+    cand_res = run(
+        candidate_dir, [t for t in hub_tasks if ref_res.get(t, {}).get("status") == "ok"]
+    )
     out: dict[str, dict] = {}
     for t in [*tasks, *hub_tasks]:
         r, c = ref_res.get(t, {}), cand_res.get(t, {})
