@@ -96,7 +96,9 @@ def test_topk_tail_is_a_lower_bound_and_exact_with_full_k(logits):
     torch.testing.assert_close(approx["kl"], exact, rtol=1e-5, atol=1e-6)
     # the error shrinks as k grows
     errs = [
-        (exact - kl_stats.kl_topk_tail(kl_stats.reference_topk(ref, nxt, k), cand, nxt)["kl"]).mean()
+        (
+            exact - kl_stats.kl_topk_tail(kl_stats.reference_topk(ref, nxt, k), cand, nxt)["kl"]
+        ).mean()
         for k in (4, 16, 64)
     ]
     assert errs[0] > errs[1] > errs[2] >= -1e-9
