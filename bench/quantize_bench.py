@@ -167,13 +167,15 @@ def main() -> int:
         return 0
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="qship-qbench-"))
+    # the mixed recipe as given on the command line (a path keeps its calibration source)
+    mixed = next((r for r in args.recipes if Path(r).stem == MIXED), MIXED)
     runs = (
-        [(MIXED, "qship"), (MIXED, "bare")]
+        [(mixed, "qship"), (mixed, "bare")]
         if args.bare_only
         else [(r, "qship") for r in args.recipes]
     )
     if args.bare and not args.bare_only:
-        runs.append((MIXED, "bare"))
+        runs.append((mixed, "bare"))
     passthrough = []
     for flag in (
         "device",

@@ -44,6 +44,9 @@ def _small(recipe_name: str):
     r = load_recipe(R / f"{recipe_name}.yaml")
     r.calibration.num_samples, r.calibration.seq_len, r.calibration.batch_size = 16, 128, 16
     r.evaluation.sequences, r.evaluation.seq_len = 8, 128
+    for g in r.groups:  # AWQ's grid search dominates CPU time (bf16 matmuls): 8 points, not 20
+        if g.method == "awq":
+            g.options.n_grid = 8
     return r
 
 
@@ -218,7 +221,7 @@ def test_silent_override_is_caught(quantized, tiny_gemma):
 def test_failed_check_leaves_nothing(tiny_gemma, tmp_path, tokens, monkeypatch):
     import pipeline.quantize as q
 
-    def boom(out_dir, ids):
+    def boom(out_dir, ids, device="cpu"):
         raise StageError("reloaded checkpoint gives non-finite logits (first non-finite output: x)")
 
     monkeypatch.setattr(q, "verify_reload", boom)
@@ -245,6 +248,7 @@ def test_quantize_cli(tiny_gemma, tmp_path, capsys):
     assert "[4/4 layers] model.layers.3 done" in cap.err  # per-layer progress on stderr
     # the output exists now: a second run is a usage error, nothing overwritten
     assert main([*args, "--cache-dir", str(tmp_path / "c"), "--json"]) == 2
+    assert "already exists" in json.loads(capsys.readouterr().out)["message"]
     # an invalid recipe exits 2 before any compute
     d["dtype"] = "float16"
     p.write_text(yaml.safe_dump(d))
