@@ -300,7 +300,14 @@ def scan_dir(root: Path, *, contain: Path, allow_pickle: bool) -> list[str]:
     for rel in list_files(root):
         p = root / rel
         if p.is_symlink():
-            target = p.resolve()
+            try:
+                target = p.resolve(strict=True)
+            except (OSError, RuntimeError) as e:  # dangling link, or a loop (RuntimeError <3.13)
+                raise IntegrityError(
+                    f"symlink {rel} is broken: {os.readlink(p)} cannot be resolved ({e})",
+                    path=str(p),
+                    hint="restore the file it points to, or remove the link",
+                ) from e
             if not target.is_relative_to(contain):
                 raise IntegrityError(
                     f"symlink {rel} points outside the snapshot, to {os.readlink(p)} "

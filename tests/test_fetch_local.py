@@ -379,3 +379,16 @@ def test_hf_cache_snapshot_layout(capsys, tiny_llama, work):
     assert rc == 0, snap
     assert snap["repo_id"] == "org/tiny" and snap["revision"] == commit
     assert (checksums / f"org--tiny@{commit}.json").is_file()
+
+
+def test_dangling_and_looping_symlinks(capsys, tiny_llama, work):
+    """Broken links are integrity failures naming the link (they used to escape as a
+    FileNotFoundError / RuntimeError traceback with exit 1)."""
+    tmp, _, _ = work
+    model = copy_model(tiny_llama, tmp / "model")
+    (model / "special_tokens_map.json").symlink_to("gone.json")
+    expect_integrity_failure(capsys, model, work, "special_tokens_map.json", "broken")
+    (model / "special_tokens_map.json").unlink()
+    (model / "loop1.json").symlink_to("loop2.json")
+    (model / "loop2.json").symlink_to("loop1.json")
+    expect_integrity_failure(capsys, model, work, "loop1.json", "broken")
