@@ -392,3 +392,22 @@ def test_dangling_and_looping_symlinks(capsys, tiny_llama, work):
     (model / "loop1.json").symlink_to("loop2.json")
     (model / "loop2.json").symlink_to("loop1.json")
     expect_integrity_failure(capsys, model, work, "loop1.json", "broken")
+
+
+def test_missing_pinned_file(capsys, tiny_llama, work):
+    model = pinned_copy(capsys, tiny_llama, work)
+    expected = sha256_file(model / "tokenizer.json").sha256
+    (model / "tokenizer.json").unlink()
+    msg = expect_integrity_failure(capsys, model, work, "tokenizer.json", expected)
+    assert "missing" in msg
+
+
+def test_pin_refused_for_an_inconsistent_folder(capsys, sharded_llama, work):
+    """--pin never records a broken folder: the consistency checks run first."""
+    tmp, cache, checksums = work
+    model = copy_model(sharded_llama, tmp / "model")
+    (model / "model-00001-of-00002.safetensors").unlink()
+    rc, err = qship(capsys, *fetch_args(model, cache, checksums, "--pin"))
+    assert rc == INTEGRITY and "model-00001-of-00002.safetensors" in err["message"]
+    assert not any(checksums.iterdir())
+    assert entries(cache) == []
