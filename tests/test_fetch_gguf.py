@@ -167,15 +167,19 @@ def test_transformers_loads_tiny_gguf(tiny_gguf):
     import torch
     from transformers import AutoModelForCausalLM
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32
+        )
+        with torch.no_grad():
+            logits = model(torch.tensor([[1, 300, 301, 302]])).logits
+    finally:
+        torch.set_num_threads(threads)
     assert model.config.model_type == "llama"
     assert model.config.num_hidden_layers == LAYERS and model.config.hidden_size == HIDDEN
     assert model.config.vocab_size == len(tiny_vocab()[0])
-    with torch.no_grad():
-        logits = model(torch.tensor([[1, 300, 301, 302]])).logits
     assert logits.shape == (1, 4, len(tiny_vocab()[0])) and torch.isfinite(logits).all()
 
 
