@@ -58,6 +58,8 @@ def load_model(path: Path, *, device: str, dtype: str | None = None):
             path=str(path),
             hint="pass a folder written by `qship fetch` or `qship quantize`",
         )
+    if dtype is None and device.split(":")[0] == "cpu":
+        dtype = "float32"  # 16-bit GEMMs are ~70x slower on the CPU (devices.py)
     kw: dict[str, Any] = {"dtype": getattr(torch, dtype) if dtype else "auto"}
     model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
     return model.to(device).eval()

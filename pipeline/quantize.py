@@ -526,7 +526,11 @@ def _peak_memory(device: str) -> dict:
 def load_model(model_dir: Path, recipe: Recipe, device: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[recipe.dtype])
+    from .devices import compute_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=compute_dtype(recipe.dtype, device)
+    )
     model.to(device)
     model.eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -626,6 +630,7 @@ def _quantize(model_dir, recipe, out_dir, token_sets, device, progress, bare) ->
 
     with atomic_dir(out_dir) as tmp:
         t2 = time.perf_counter()
+        model.to(TORCH_DTYPES[recipe.dtype])  # computed in float32 on the CPU (devices.py)
         model.save_pretrained(tmp, save_compressed=True)
         for f in TOKENIZER_FILES:
             if (model_dir / f).is_file():

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU benchmark session on a lent H200 (see bench/RESULTS.md). The device has torch,
+# transformers and accelerate; the rest travels as Python 3.12 wheels in .whl/, and the
+# 253 MB Gemma GGUF in 52 MB chunks in .devstash/ (one carried per `stage` call,
+# collected in /root/stash, which lives as long as the machine stays warm).
+#   bash bench/gpu_session.sh stage      # install wheels / stash the carried chunk
+#   bash bench/gpu_session.sh gemma      # fetch + quantize bench (all recipes, bare) + eval bench
+#   bash bench/gpu_session.sh big        # random Llama-3-8B-shaped model: qship vs bare oneshot
+set -uo pipefail
+S=/root/stash
+mkdir -p "$S" "${OUT:-/tmp/out}"
+OUT=${OUT:-/tmp/out}
+export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+case "$1" in
+stage)
+  if [ -d .whl ] && [ ! -f "$S/site.ok" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$S/site" .whl/*.whl && touch "$S/site.ok"
+  fi
+  mv .devstash/gguf.part* "$S/" 2>/dev/null
+  # the device has no gensim: the builtin corpus travels as JSONL with recipes pointing at it
+  [ -d .qship-gpu ] && rm -rf "$S/qship-gpu" && cp -r .qship-gpu "$S/qship-gpu"
+  ls -la "$S"; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  ;;
+gemma)
+  [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
+  G=$S/gemma-3-270m-q4_k_m.gguf
+  [ -f "$G" ] || cat "$S"/gguf.part0* > "$G"
+  sha256sum "$G"
+  python3 -m pipeline.cli fetch "$G" --cache-dir "$S/cache" --json > "$OUT/fetch.json" || exit 1
+  SNAP=$(python3 -c "import json;print(json.load(open('$OUT/fetch.json'))['path'])")
+  python3 -c "from transformers import AutoTokenizer as T; print('probe', T.from_pretrained('$SNAP')('The capital of France is').input_ids)"
+  shift
+  python3 bench/quantize_bench.py --model "$SNAP" --device cuda --work "$S/qwork" --keep \
+    --out "$OUT/quantize_gemma.json" "$@" 2>&1 | grep -v "Warning\|warn(" > "$OUT/quantize_gemma.log"
+  grep -E "^==|oneshot |ratio|failed|Error" "$OUT/quantize_gemma.log"
+  python3 bench/eval_bench.py --reference "$SNAP" --candidate "$S/qwork/gemma-mixed-w4--qship" \
+    --sequences 32 --seq-len 512 --batch-size 8 --topk 128 256 --device cuda --json "$OUT/eval_gemma.json" > "$OUT/eval_gemma.log" 2>&1
+  tail -20 "$OUT/eval_gemma.log"
+  ;;
+eval)
+  SNAP=$(python3 -c "import json;print(json.load(open('$S/cache/fetch.json')))" 2>/dev/null)
+  SNAP=$(ls -d "$S"/cache/fetch/*/snapshot | head -1)
+  python3 bench/eval_bench.py --reference "$SNAP" --candidate "$S/qwork/gemma-mixed-w4--qship" \
+    --sequences 32 --seq-len 512 --batch-size 8 --topk 128 256 --device cuda --json "$OUT/eval_gemma.json" 2>&1 | tail -25
+  ;;
+big)
+  M=$S/llama8b
+  [ -f "$M/config.json" ] || python3 bench/make_random_llama.py "$M" || exit 1
+  python3 bench/quantize_bench.py --model "$M" --device cuda --work "$S/qwork8b" --bare-only --no-kl \
+    --out "$OUT/quantize_8b.json" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/quantize_8b.log" | grep -E "^==|oneshot|ratio|failed|Error|error"
+  ;;
+esac

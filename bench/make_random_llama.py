@@ -1,0 +1,54 @@
+"""Write a random-weight checkpoint with Llama-3-8B dimensions (8.03 B params, bf16).
+
+For the GPU quantize benchmark: its speed and memory depend on the shapes, not on the
+values. Weights are initialised on the GPU when there is one (seconds instead of minutes
+on the CPU). The tokenizer is the tiny test model's, with the vocabulary padded in the
+config only (calibration ids stay below the tiny vocabulary).
+
+    python bench/make_random_llama.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "tests/fixtures/models/tiny-llama"
+
+
+def main(out: Path) -> None:
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    t = time.time()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / f, out / f)
+    print(f"{n / 1e9:.2f} B params written to {out} in {time.time() - t:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
