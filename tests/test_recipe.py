@@ -17,7 +17,7 @@ from pipeline.recipe import load_recipe, parse_recipe, validate_for_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-EXPECTED = {"gemma-mixed-w4", "awq-w4", "gptq-w4", "rtn-w4", "mixed-w4-nokv", "w8-int8"}
+EXPECTED = {"gemma-mixed-w4", "gemma-mixed-w4-cpu", "awq-w4", "gptq-w4", "rtn-w4", "mixed-w4-nokv", "w8-int8"}
 
 
 def _base() -> dict:
@@ -34,6 +34,15 @@ def _plan_exit(model: Path, recipe: Path, capsys) -> tuple[int, dict]:
     code = main(["plan", "--model", str(model), "--recipe", str(recipe), "--json"])
     out = capsys.readouterr().out
     return code, json.loads(out)
+
+
+def test_cpu_recipe_is_the_default_plan_with_a_smaller_calibration_set():
+    full = load_recipe(ROOT / "recipes" / "gemma-mixed-w4.yaml").resolved()
+    cpu = load_recipe(ROOT / "recipes" / "gemma-mixed-w4-cpu.yaml").resolved()
+    for key in ("dtype", "groups", "kv_cache", "gates"):
+        assert cpu[key] == full[key], key
+    c, f = cpu["calibration"], full["calibration"]
+    assert c["num_samples"] * c["seq_len"] < f["num_samples"] * f["seq_len"]
 
 
 def test_all_recipes_load_with_gates_and_comment():
