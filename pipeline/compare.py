@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .devices import default_device
 from .errors import GateFailed, UsageError
 from .fsutil import atomic_write_text
 from .report import REPORT_FILES, kl_histogram, row_from_eval, write_report
@@ -389,7 +390,7 @@ def _compare(
     from .plan import load_meta_model
     from .recipe import load_recipe, validate_for_model
 
-    device = device or ev_mod.default_device()
+    device = device or default_device()
     loaded = [load_recipe(p) for p in recipes]
     matrix(list(recipes))  # unique names, before any compute
     ctx = runner.Context(cache_dir, device=device)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from . import kl_stats, reference_cache
+from .devices import default_device
 from .errors import GateFailed, StageError, UsageError
 from .fsutil import atomic_write_text
 
@@ -42,10 +43,6 @@ KV_ATTR = "kv_cache"  # compressed_tensors.modeling.kvcache.KV_CACHE_ATTR
 
 
 # ------------------------------------------------------------------ models
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_model(path: Path, *, device: str, dtype: str | None = None):

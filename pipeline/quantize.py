@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .devices import default_device
 from .errors import StageError, UsageError
 from .fsutil import atomic_dir
 from .plan import Plan, build_plan
@@ -559,7 +560,7 @@ def quantize(
             path=str(out_dir),
             hint="remove it or pick another --out",
         )
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or default_device()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     with library_logs_to_stderr():

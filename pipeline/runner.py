@@ -305,8 +305,6 @@ def _write_record(result: RunResult, reports: Path) -> None:
 
 
 def _device_kind(device: str | None) -> str:
-    if device:
-        return device.split(":")[0]
-    import torch
+    from .devices import default_device
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return (device or default_device()).split(":")[0]
