@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.cli import main
+from tests.cli_run import qship
 
 GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 GEMMA_PROBE = "The capital of France is"
@@ -181,16 +181,6 @@ def test_transformers_loads_tiny_gguf(tiny_gguf):
     assert model.config.num_hidden_layers == LAYERS and model.config.hidden_size == HIDDEN
     assert model.config.vocab_size == len(tiny_vocab()[0])
     assert logits.shape == (1, 4, len(tiny_vocab()[0])) and torch.isfinite(logits).all()
-
-
-def qship(capsys, *args: str) -> tuple[int, dict]:
-    capsys.readouterr()
-    rc = main([*args, "--json"])
-    out = capsys.readouterr().out
-    data = json.loads(out) if out.strip() else {}
-    if data.get("error") == "ModuleNotFoundError":  # the CLI maps it to exit 1; surface it
-        raise ModuleNotFoundError(data["message"])
-    return rc, data
 
 
 @needs_fetch_gguf

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
 from pipeline.hashing import Manifest, sha256_file
+from tests.cli_run import qship
 from tests.hub_server import HubServer
 
 REPO = "qship-tests/tiny-llama"
@@ -167,16 +167,6 @@ def test_server_corruption_and_moving_branch(hub, tiny_repo, tiny_llama):
 
 
 # ------------------------------------------------------------------ qship fetch hf://
-
-
-def qship(capsys, *args: str) -> tuple[int, dict]:
-    capsys.readouterr()
-    rc = main([*args, "--json"])
-    out = capsys.readouterr().out
-    data = json.loads(out) if out.strip() else {}
-    if data.get("error") == "ModuleNotFoundError":  # the CLI maps it to exit 1; surface it
-        raise ModuleNotFoundError(data["message"])
-    return rc, data
 
 
 def fetch_args(src: str, cache: Path, checksums: Path, *extra: str) -> list[str]:

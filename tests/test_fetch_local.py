@@ -16,18 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
 from pipeline.hashing import Manifest, sha256_file
+from tests.cli_run import qship
 
 INTEGRITY = 3
-
-
-def qship(capsys, *args: str) -> tuple[int, dict]:
-    """Run `qship <args> --json` in-process; (exit code, the JSON it printed)."""
-    capsys.readouterr()
-    rc = main([*args, "--json"])
-    out = capsys.readouterr().out
-    return rc, json.loads(out) if out.strip() else {}
 
 
 def fetch_args(model: Path, cache: Path, checksums: Path, *extra: str) -> list[str]:
