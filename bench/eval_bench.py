@@ -1,7 +1,7 @@
 """Evaluation throughput and cached-vs-exact agreement, on CPU or CUDA.
 
     .venv/bin/python bench/eval_bench.py --reference REF_DIR --candidate CAND_DIR \
-        [--ids ids.pt | --text FILE] [--sequences 32] [--seq-len 512] [--batch-size 4] \
+        [--ids ids.pt|tokens.safetensors | --text FILE] [--sequences 32] [--seq-len 512] [--batch-size 4] \
         [--topk 128 256] [--device cuda] [--json out.json]
 
 Measures, on the same held-out batches (after one warm-up batch):
@@ -33,7 +33,12 @@ from pipeline.evaluate import forward_logits, kv_quantization, load_model  # noq
 
 def _ids(args, ref_dir: Path) -> torch.Tensor:
     n = args.sequences * args.seq_len
-    if args.ids:
+    if args.ids and Path(args.ids).suffix == ".safetensors":
+        # a qship token-set entry (cache/tokens/<key>/tokens.safetensors): its held-out set
+        from safetensors.torch import load_file
+
+        flat = load_file(str(args.ids))["heldout_ids"].long().flatten()
+    elif args.ids:
         flat = torch.load(args.ids).long().flatten()
     else:
         from transformers import AutoTokenizer

@@ -6,6 +6,9 @@
 #   bash bench/gpu_session.sh stage      # install wheels / stash the carried chunk
 #   bash bench/gpu_session.sh gemma      # fetch + quantize bench (all recipes, bare) + eval bench
 #   bash bench/gpu_session.sh big        # random Llama-3-8B-shaped model: qship vs bare oneshot
+#   bash bench/gpu_session.sh search     # sensitivity + recipe grid + compare report (bench/recipe_search.py)
+#   bash bench/gpu_session.sh evalbench  # cached vs exact KL, eval throughput, calibration batch vs peak memory
+# .qship-gpu/ comes from `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/*.yaml`.
 set -uo pipefail
 S=/root/stash
 mkdir -p "$S" "${OUT:-/tmp/out}"
@@ -36,6 +39,35 @@ gemma)
   python3 bench/eval_bench.py --reference "$SNAP" --candidate "$S/qwork/gemma-mixed-w4--qship" \
     --sequences 32 --seq-len 512 --batch-size 8 --topk 128 256 --device cuda --json "$OUT/eval_gemma.json" > "$OUT/eval_gemma.log" 2>&1
   tail -20 "$OUT/eval_gemma.log"
+  ;;
+search)
+  [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
+  G=$S/gemma-3-270m-q4_k_m.gguf
+  [ -f "$G" ] || cat "$S"/gguf.part0* > "$G"
+  R=.qship-gpu/recipes
+  # the most telling recipes first: a timeout leaves the rest to a second `search` call
+  # (finished recipes are skipped; everything is cached under $S)
+  timeout "${SEARCH_TIMEOUT:-540}" python3 bench/recipe_search.py --model "$G" --out "$S/search" --cache-dir "$S/cache" \
+    --sens-base $R/gptq-w4-mse-c384.yaml $R/gptq-w4.yaml --max-bits 4.20 \
+    --recipes $R/gptq-w4.yaml $R/gptq-w4-mse-c384.yaml $R/gemma-mixed-w4.yaml $R/rtn-w4.yaml $R/awq-w4.yaml \
+      $R/mixed-w4-nokv.yaml $R/w8-int8.yaml $R/gptq-w4-mse.yaml $R/gptq-w4-c384.yaml $R/gptq-w4a-mse-c384.yaml \
+    2> "$S/search.log" | head -20
+  grep -E "^==|sensitivity of|wrote|Error|error:" "$S/search.log" | tail -40
+  mkdir -p "$OUT/search" && cp -r "$S/search/." "$OUT/search/"
+  grep -v "Warning\|warn(\|it/s\]" "$S/search.log" | tail -300 > "$OUT/search_tail.log"
+  ;;
+evalbench)
+  SNAP=$(ls -d "$S"/cache/fetch/*/model | head -1)
+  TOK=$(ls "$S"/cache/tokens/*/tokens.safetensors | head -1)
+  CAND=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['compare']['quantized_dir'])" \
+    "$S/search/runs/gemma-mixed-w4/recipes/gemma-mixed-w4/eval.json")
+  python3 bench/eval_bench.py --reference "$SNAP" --candidate "$CAND" --ids "$TOK" --sequences 32 --seq-len 512 \
+    --batch-size 8 --topk 128 256 1024 4096 --device cuda --json "$OUT/eval_gemma.json" > "$OUT/eval_gemma.log" 2>&1
+  tail -25 "$OUT/eval_gemma.log"
+  for b in ${BATCHES:-1 4}; do
+    python3 bench/quantize_bench.py --model "$SNAP" --device cuda --recipes .qship-gpu/recipes/gemma-mixed-w4.yaml \
+      --batch-size "$b" --no-kl --work "$S/qb$b" --out "$OUT/quantize_gemma_b$b.json" 2>&1 | grep -E "^==|oneshot |peak|failed|Error"
+  done
   ;;
 eval)
   SNAP=$(python3 -c "import json;print(json.load(open('$S/cache/fetch.json')))" 2>/dev/null)

@@ -8,7 +8,9 @@ Sources (`calibration.source` in the recipe):
 * `hf:<dataset>[:config]` -- a Hub dataset with a `text` column, when it can be had;
   otherwise (offline, no such dataset) qship falls back to `builtin:english` and says so
   in `TokenSets.source`.
-* a local `.txt` (documents = paragraphs) or `.jsonl`/`.json` file (a `text` field per row).
+* a local `.txt` (documents = paragraphs) or `.jsonl`/`.json` file (a `text` field per row;
+  rows that also carry `doc_id` and `part` keep them, so a corpus exported with
+  `bench/export_corpus.py` gives the same split and the same tokens as its source).
 
 The split is by DOCUMENT: the held-out documents are chosen by a fixed hash of their text
 (independent of the calibration seed, so every recipe is evaluated on the same tokens),
@@ -161,6 +163,11 @@ def _local(path: Path):
                 path=str(path),
                 hint="write one JSON object per line with a 'text' field",
             )
+        # doc_id/part, when present, are kept: `bench/export_corpus.py` writes builtin:english
+        # this way so a machine without gensim builds the very same token sets
+        keep = [c for c in ("text", "doc_id", "part") if c in ds.column_names]
+        if set(keep) == {"text", "doc_id", "part"}:
+            return ds.select_columns(keep).filter(lambda r: bool(r["text"].strip()))
         ds = ds.select_columns(["text"])
     else:
         ds = datasets.load_dataset(

@@ -254,6 +254,47 @@ def compare_cmd(
     res.require_pass()
 
 
+# sensitivity (pipeline.sensitivity)
+
+
+@app.command("sensitivity")
+def sensitivity_cmd(
+    model: Annotated[str, typer.Option("--model", help="Source model (as for run).")],
+    recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML (schemes, held-out set).")],
+    sequences: Annotated[
+        int | None, typer.Option("--sequences", help="Score only the first N held-out sequences.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the result JSON here.")] = None,
+    write_recipe: Annotated[
+        Path | None,
+        typer.Option("--write-recipe", help="Write the recipe with the most sensitive modules at int8."),
+    ] = None,
+    max_bits: Annotated[
+        float | None, typer.Option("--max-bits", help="Bits-per-weight budget for --write-recipe.")
+    ] = None,
+    device: Annotated[str | None, typer.Option("--device", help="cuda / cpu.")] = None,
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """KL when each quantized module alone is rounded (RTN): where the bits matter."""
+    from contextlib import redirect_stdout
+
+    from .sensitivity import run
+
+    with redirect_stdout(sys.stderr):
+        res = run(
+            model,
+            recipe,
+            cache_dir=cache_root(cache_dir),
+            device=device,
+            sequences=sequences,
+            out=out,
+            write_recipe=write_recipe,
+            max_bits=max_bits,
+        )
+    emit(res, as_json)
+
+
 # evaluate (pipeline.evaluate, pipeline.gate)
 
 

@@ -333,29 +333,18 @@ def per_token_kl(
     candidate_dir: Path, heldout_ids, reference_cache: dict, *, batch_size: int, device: str
 ):
     """Per-token KL (as deployed) of the candidate against the cached reference entry that
-    evaluate used: the same public functions and the same order as evaluate's cached mode,
-    so the values' mean is evaluate's `metrics.kl.mean`. Needed for the distribution plot
-    because EvalResult carries summaries only (one extra candidate pass)."""
-    import torch
+    evaluate used, through evaluate's own scorer, so the values' mean is evaluate's
+    `metrics.kl.mean`. Needed for the distribution plot because EvalResult carries
+    summaries only (one extra candidate pass)."""
     from safetensors.torch import load_file
 
     from . import evaluate as ev_mod
-    from . import kl_stats
 
     ref = load_file(str(Path(reference_cache["path"]) / reference_cache["file"]))
     model = ev_mod.load_model(candidate_dir, device=device)
-    per_seq = heldout_ids.shape[1] - 1
-    acc = kl_stats.Accumulator()
-    for s in range(0, heldout_ids.shape[0], batch_size):
-        batch = heldout_ids[s : s + batch_size]
-        rows = slice(s * per_seq, (s + batch.shape[0]) * per_seq)
-        part = {k: v[rows] for k, v in ref.items()}
-        with ev_mod.kv_quantization(model, True):
-            cl, nxt = ev_mod.forward_logits(model, batch)
-        acc.add({"kl": kl_stats.kl_topk_tail(part, cl, nxt)["kl"]})
-        del cl
+    acc = ev_mod.score_against_reference(model, heldout_ids, ref, batch_size)["on"]
     del model
-    return torch.cat(acc.parts["kl"]).numpy()
+    return acc.arrays()["kl"]
 
 
 def compare(

@@ -105,6 +105,32 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def score_against_reference(
+    model,
+    ids: torch.Tensor,
+    ref: dict[str, torch.Tensor],
+    batch_size: int,
+    kv_passes: dict[str, bool] | None = None,
+) -> dict[str, kl_stats.Accumulator]:
+    """Per-token figures of `model` on `ids` against a cached reference entry (top-k + tail,
+    rows in sequence-then-position order). One pass per entry of `kv_passes` (name -> KV
+    quantization on/off; a model without KV hooks is the same in both). Used by evaluate's
+    cached mode, by compare (per-token KL for the plot) and by sensitivity."""
+    kv_passes = kv_passes or {"on": True}
+    acc = {name: kl_stats.Accumulator() for name in kv_passes}
+    per_seq = ids.shape[1] - 1
+    for s in range(0, ids.shape[0], batch_size):
+        batch = ids[s : s + batch_size]
+        rows = slice(s * per_seq, (s + batch.shape[0]) * per_seq)
+        part = {k: v[rows] for k, v in ref.items()}
+        for name, enabled in kv_passes.items():
+            with kv_quantization(model, enabled):
+                cl, nxt = forward_logits(model, batch)
+            acc[name].add(kl_stats.kl_topk_tail(part, cl, nxt))
+            del cl
+    return acc
+
+
 # ------------------------------------------------------------------ result
 
 
@@ -237,21 +263,10 @@ def evaluate(
         cand_model = load(candidate_dir)
         timings["load_s"] = time.perf_counter() - t0
         n_hooked = len(kv_modules(cand_model))
-        per_seq = heldout_ids.shape[1] - 1
         t0 = time.perf_counter()
-        for s in range(0, heldout_ids.shape[0], batch_size):
-            batch = heldout_ids[s : s + batch_size]
-            rows = slice(s * per_seq, (s + batch.shape[0]) * per_seq)
-            part = {k: v[rows] for k, v in ref.items()}
-            with kv_quantization(cand_model, True):
-                cl, nxt = forward_logits(cand_model, batch)
-            on.add(kl_stats.kl_topk_tail(part, cl, nxt))
-            del cl
-            if do_kv_off:
-                with kv_quantization(cand_model, False):
-                    cl, _ = forward_logits(cand_model, batch)
-                off.add(kl_stats.kl_topk_tail(part, cl, nxt))
-                del cl
+        kv_passes = {"on": True, "off": False} if do_kv_off else {"on": True}
+        scored = score_against_reference(cand_model, heldout_ids, ref, batch_size, kv_passes)
+        on, off = scored["on"], scored.get("off", off)
         _sync(device)
         timings["candidate_s"] = time.perf_counter() - t0
         del cand_model

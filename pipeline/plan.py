@@ -130,7 +130,7 @@ def _scheme_label(s: dict | None, dtype: str) -> str:
         return f"{dtype} (kept)"
     kind = "sym" if s["symmetric"] else "asym"
     grp = f"g{s['group_size']}" if s["group_size"] else "per-channel"
-    return f"int{s['bits']} {kind} {grp}"
+    return f"int{s['bits']} {kind} {grp}" + (f" {s['observer']}" if s.get("observer") else "")
 
 
 def weight_storage_bits(out_f: int, in_f: int, scheme: dict | None, dtype_bits: int) -> int:
@@ -264,7 +264,7 @@ def build_plan(model, recipe: Recipe) -> Plan:
         if not isinstance(mod, torch.nn.Linear):
             continue
         g = groups[owner[name]]
-        scheme = g.scheme.model_dump() if g.scheme else None
+        scheme = g.scheme.planned() if g.scheme else None
         tied = emb_w is not None and mod.weight is emb_w
         bits = weight_storage_bits(mod.out_features, mod.in_features, scheme, dtype_bits)
         modules.append(

@@ -83,7 +83,7 @@ def _log(msg: str) -> None:
 # modifiers
 
 
-def _qargs(scheme: dict, *, actorder: str | None = None) -> dict:
+def qargs(scheme: dict, *, actorder: str | None = None) -> dict:
     d = {
         "num_bits": scheme["bits"],
         "type": "int",
@@ -95,6 +95,8 @@ def _qargs(scheme: dict, *, actorder: str | None = None) -> dict:
         d["group_size"] = scheme["group_size"]
     if actorder:
         d["actorder"] = actorder
+    if scheme.get("observer"):
+        d["observer"] = scheme["observer"]
     return d
 
 
@@ -139,7 +141,7 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list:
     for g in recipe.groups:
         if g.method in ("awq", "rtn") and g.name in present:
             qm_groups[g.name] = QuantizationScheme(
-                targets=list(g.targets), weights=QuantizationArgs(**_qargs(g.scheme.model_dump()))
+                targets=list(g.targets), weights=QuantizationArgs(**qargs(g.scheme.planned()))
             )
     gptq_sets: dict[str, list[str]] = {}
     for g in recipe.groups:
@@ -157,7 +159,7 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list:
         cg = {
             n: QuantizationScheme(
                 targets=list(groups[n].targets),
-                weights=QuantizationArgs(**_qargs(groups[n].scheme.model_dump())),
+                weights=QuantizationArgs(**qargs(groups[n].scheme.planned())),
             )
             for n in names
         }
@@ -340,9 +342,12 @@ def capture_metrics(model, plan: Plan, report: dict, progress: bool = True):
 # verification of the saved checkpoint
 
 
-def _scheme_from_args(w: dict) -> dict:
+def _scheme_from_args(w: dict, planned: dict) -> dict:
     gs = w.get("group_size") if w.get("strategy") == "group" else None
-    return {"bits": int(w["num_bits"]), "symmetric": bool(w["symmetric"]), "group_size": gs}
+    got = {"bits": int(w["num_bits"]), "symmetric": bool(w["symmetric"]), "group_size": gs}
+    if "observer" in planned:
+        got["observer"] = w.get("observer")
+    return got
 
 
 def verify_saved_config(out_dir: Path, plan: Plan, model_meta) -> dict:
@@ -384,7 +389,7 @@ def verify_saved_config(out_dir: Path, plan: Plan, model_meta) -> dict:
                 path=where,
                 hint="targets overlap or were dropped by llm-compressor; check the plan",
             )
-        got = _scheme_from_args(hits[0][1].get("weights") or {})
+        got = _scheme_from_args(hits[0][1].get("weights") or {}, mp.scheme)
         if got != mp.scheme:
             raise StageError(
                 f"module {mp.name}: saved scheme {got} differs from the planned {mp.scheme} "

@@ -5,7 +5,7 @@ Top-level keys (all others are an error):
     name, description
     dtype        bfloat16 | float16 | float32   -- for everything that stays unquantized
     groups       [{name, targets: [...], method: awq|gptq|rtn|none,
-                   scheme: {bits, symmetric, group_size}, options: {...}}]
+                   scheme: {bits, symmetric, group_size, observer}, options: {...}}]
     kv_cache     {scheme: fp8_e4m3, strategy: tensor, dynamic: false} | null
     calibration  {source, num_samples, seq_len, batch_size, seed}
     evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit}
@@ -49,6 +49,17 @@ class Scheme(_Strict):
     bits: Literal[4, 8] = 4
     symmetric: bool = True
     group_size: int | None = 128
+    # how the weight scales are chosen: null = the library default (min-max of each group);
+    # mse = llm-compressor's "mse" observer, a grid search over shrunken ranges that keeps
+    # the one with the least rounding error (clipping a few outliers buys finer steps)
+    observer: Literal["mse"] | None = None
+
+    def planned(self) -> dict:
+        """The scheme as the plan and config check see it (observer only when chosen)."""
+        d = self.model_dump()
+        if d["observer"] is None:
+            del d["observer"]
+        return d
 
     @field_validator("group_size")
     @classmethod
@@ -60,7 +71,7 @@ class Scheme(_Strict):
     def label(self) -> str:
         kind = "sym" if self.symmetric else "asym"
         grp = f"g{self.group_size}" if self.group_size else "per-channel"
-        return f"int{self.bits} {kind} {grp}"
+        return f"int{self.bits} {kind} {grp}" + (f" {self.observer}" if self.observer else "")
 
 
 class Options(_Strict):

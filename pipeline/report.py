@@ -59,6 +59,8 @@ COLUMNS: list[tuple[str, str, str, str | None]] = [
     ("peak_mem_bytes", "peak mem MB", "mb", "min"),
     ("kl_mean", "KL mean", "{:.4g}", "min"),
     ("kl_stderr", "± stderr", "{:.2g}", None),
+    # the same candidate with its FP8 KV rounding off: the difference is the KV cache's cost
+    ("kl_mean_kv_off", "KL mean, KV off", "{:.4g}", None),
     ("kl_median", "KL median", "{:.4g}", "min"),
     ("kl_p99", "KL p99", "{:.4g}", "min"),
     ("kl_max", "KL max", "{:.4g}", "min"),
@@ -74,6 +76,7 @@ SCALARS = [
     "tokens",
     "kl_mean",
     "kl_stderr",
+    "kl_mean_kv_off",
     "kl_median",
     "kl_p90",
     "kl_p99",
@@ -169,6 +172,8 @@ def row_from_eval(ev: dict, **extra: Any) -> dict:
     }
     for k in ("mean", "stderr", "median", "p90", "p99", "p999", "max"):
         row[f"kl_{k}"] = _num(kl.get(k))
+    wo = ev.get("metrics_weights_only") if isinstance(ev.get("metrics_weights_only"), dict) else {}
+    row["kl_mean_kv_off"] = _num((wo.get("kl") or {}).get("mean")) if wo else None
     row["top1"] = _num(_first(m, ("top1_agreement",), ("top1",)))
     for k in ("ppl_reference", "ppl_candidate", "ppl_ratio"):
         row[k] = _num(m.get(k))

@@ -255,3 +255,22 @@ def test_quantize_cli(tiny_gemma, tmp_path, capsys):
     assert main([*args[:-1], str(tmp_path / "q2"), "--json"]) == 2
     assert "bfloat16" in json.loads(capsys.readouterr().out)["hint"]
     assert not (tmp_path / "q2").exists()
+
+
+def test_mse_observer_is_used_and_recorded(tiny_gemma, quantized, tokens, work):
+    """`scheme.observer: mse` reaches llm-compressor (other scales than min-max) and the
+    saved config, and the config check holds it to the plan."""
+    r = _small("gptq-w4")
+    for g in r.groups:
+        if g.scheme:
+            g.scheme.observer = "mse"
+    res = quantize(tiny_gemma, r, work / "gptq-mse", token_sets=tokens(tiny_gemma, r), device="cpu")
+    assert all(m.scheme.get("observer") == "mse" for m in res.plan.modules if m.scheme)
+    qc = json.loads((res.path / "config.json").read_text())["quantization_config"]
+    assert {g["weights"]["observer"] for g in qc["config_groups"].values()} == {"mse"}
+    base = quantized(tiny_gemma, "gptq-w4").path
+    key = "model.layers.0.mlp.down_proj.weight_scale"
+    with safe_open(str(res.path / "model.safetensors"), "pt") as a, safe_open(
+        str(base / "model.safetensors"), "pt"
+    ) as b:
+        assert not torch.equal(a.get_tensor(key), b.get_tensor(key))

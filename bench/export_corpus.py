@@ -1,0 +1,50 @@
+"""Export builtin:english as JSONL (text, doc_id, part) and point recipes at it.
+
+For machines without gensim (the lent GPU): a local JSONL with doc_id/part gives the same
+document split and the same token sets as builtin:english (calibration.py), so GPU and
+CPU runs are scored on the very same held-out tokens.
+
+    python bench/export_corpus.py DIR recipes/*.yaml [bench/recipes/*.yaml]
+      -> DIR/english.jsonl and DIR/recipes/<name>.yaml (calibration.source = DIR/english.jsonl,
+         no lm-eval tasks: the device has no lm-eval)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.calibration import corpus_hash, load_corpus  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("recipes", nargs="*", type=Path)
+    a = ap.parse_args()
+    (a.dir / "recipes").mkdir(parents=True, exist_ok=True)
+    ds, _ = load_corpus("builtin:english")
+    jl = a.dir / "english.jsonl"
+    with jl.open("w", encoding="utf-8") as f:
+        for row in ds:
+            f.write(json.dumps({k: row[k] for k in ("text", "doc_id", "part")}) + "\n")
+    again, _ = load_corpus(str(jl))
+    assert corpus_hash(again) == corpus_hash(ds), "the exported corpus differs from its source"
+    for r in a.recipes:
+        d = yaml.safe_load(r.read_text())
+        d.setdefault("calibration", {})["source"] = jl.as_posix()
+        # the lent GPU has no lm-eval: benchmark scores come from the CPU runs
+        d.setdefault("evaluation", {}).update(tasks=[], hub_tasks=[])
+        (a.dir / "recipes" / r.name).write_text(yaml.safe_dump(d, sort_keys=False))
+    print(f"{jl} ({len(ds)} documents, corpus {corpus_hash(ds)[:12]}); {len(a.recipes)} recipes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""qship sensitivity on the tiny trained Gemma 3: RTN rounding equals llm-compressor's,
+the per-module ranking, and the int8-upgraded recipe it writes (within its bit budget,
+and measurably better than its base when both are quantized and evaluated)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from cli_run import qship
+
+from pipeline.plan import plan_for_dir
+from pipeline.recipe import load_recipe
+from pipeline.sensitivity import rtn_weight
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def small_rtn(tmp_path_factory) -> Path:
+    """rtn-w4 with small calibration / held-out sets (no KV scheme: weights only)."""
+    d = yaml.safe_load((ROOT / "recipes" / "rtn-w4.yaml").read_text())
+    d["name"] = "rtn-w4-small"
+    d["kv_cache"] = None
+    d["calibration"].update(num_samples=8, seq_len=128, batch_size=8)
+    d["evaluation"].update(sequences=8, seq_len=128, hub_tasks=[])
+    d["gates"] = {"kl_mean_max": 10.0}
+    p = tmp_path_factory.mktemp("recipes") / "rtn-w4-small.yaml"
+    p.write_text(yaml.safe_dump(d, sort_keys=False))
+    return p
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_rtn_weight_equals_llm_compressor_rounding(tiny_gemma, symmetric):
+    """Same values as llm-compressor's QuantizationModifier (min-max observer) computes."""
+    from compressed_tensors.quantization.lifecycle import fake_quantize
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_gemma), dtype=torch.float32)
+    orig = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.endswith("proj")}
+    scheme = {"bits": 4, "symmetric": symmetric, "group_size": 128}
+    from pipeline.quantize import qargs
+
+    qm = QuantizationModifier(
+        config_groups={"g": {"targets": ["Linear"], "weights": qargs(scheme)}}, ignore=["lm_head"]
+    )
+    oneshot(model=model, recipe=qm)
+    n_checked = 0
+    for name, m in model.named_modules():
+        if name not in orig:
+            continue
+        lib = fake_quantize(
+            orig[name], m.weight_scale, m.weight_zero_point, m.quantization_scheme.weights
+        )
+        ours = rtn_weight(orig[name], scheme)
+        assert torch.equal(ours, lib), name
+        assert not torch.equal(ours, orig[name]), name  # it did round
+        n_checked += 1
+    assert n_checked == 4 * 7
+
+
+def test_sensitivity_ranks_modules_and_writes_upgraded_recipe(
+    tiny_gemma, small_rtn, tmp_path, capsys
+):
+    out_json = tmp_path / "sens.json"
+    new = tmp_path / "rtn-sens.yaml"
+    base_plan = plan_for_dir(tiny_gemma, load_recipe(small_rtn))
+    base_bpw = base_plan.bits_per_weight["quantized"]
+    budget = round(base_bpw + 0.5, 3)
+    rc, res = qship(
+        capsys,
+        "sensitivity",
+        "--model", str(tiny_gemma),
+        "--recipe", str(small_rtn),
+        "--cache-dir", str(tmp_path / "cache"),
+        "--device", "cpu",
+        "--out", str(out_json),
+        "--max-bits", str(budget),
+        "--write-recipe", str(new),
+    )  # fmt: skip
+    assert rc == 0, res
+    rows = res["modules"]
+    assert len(rows) == 4 * 7  # every quantized Linear, lm_head (none) excluded
+    kls = [r["kl_mean"] for r in rows]
+    assert kls == sorted(kls, reverse=True)
+    assert abs(res["baseline_kl_mean"]) < 1e-6  # the unmodified model against itself
+    assert min(kls) > 0 and kls[0] > 5 * kls[-1]  # rounding one module costs; unevenly
+    assert abs(sum(res["by_layer"].values()) - sum(kls)) < 1e-9
+    assert out_json.is_file()
+
+    w = res["written_recipe"]
+    assert base_bpw < w["bits_per_weight"] <= budget
+    up = load_recipe(new)
+    plan = plan_for_dir(tiny_gemma, up)
+    by = plan.by_name()
+    assert sorted(w["upgraded"]) == sorted(
+        n for n, m in by.items() if m.scheme and m.scheme["bits"] == 8
+    )
+    assert rows[0]["name"] in w["upgraded"] or rows[0]["params"] > rows[-1]["params"]
+    for name, m in base_plan.by_name().items():  # everything else as in the base recipe
+        if name not in w["upgraded"]:
+            assert by[name].scheme == m.scheme and by[name].method == m.method, name
+
+    # measured: the upgraded recipe beats its base on the same held-out tokens
+    kl = {}
+    for r in (small_rtn, new):
+        rc, cmp = qship(
+            capsys,
+            "compare",
+            "--model", str(tiny_gemma),
+            "--recipes", str(r),
+            "--out", str(tmp_path / f"cmp-{r.stem}"),
+            "--cache-dir", str(tmp_path / "cache"),
+            "--device", "cpu",
+        )  # fmt: skip
+        assert rc == 0, cmp
+        ev = yaml.safe_load(
+            (tmp_path / f"cmp-{r.stem}" / "recipes" / load_recipe(r).name / "eval.json").read_text()
+        )
+        kl[r.stem] = ev["metrics"]["kl"]["mean"]
+    assert kl["rtn-sens"] < 0.8 * kl["rtn-w4-small"], kl
+
+
+def test_write_recipe_needs_budget_and_keeps_existing_file(tiny_gemma, small_rtn, tmp_path, capsys):
+    rc, err = qship(
+        capsys, "sensitivity", "--model", str(tiny_gemma), "--recipe", str(small_rtn),
+        "--write-recipe", str(tmp_path / "x.yaml"), "--cache-dir", str(tmp_path / "c"),
+    )  # fmt: skip
+    assert rc == 2 and "--max-bits" in err["message"]
+    existing = tmp_path / "exists.yaml"
+    existing.write_text("keep me\n")
+    rc, err = qship(
+        capsys, "sensitivity", "--model", str(tiny_gemma), "--recipe", str(small_rtn),
+        "--write-recipe", str(existing), "--max-bits", "5", "--cache-dir", str(tmp_path / "c"),
+    )  # fmt: skip
+    assert rc == 2 and "exists" in err["message"]
+    assert existing.read_text() == "keep me\n"
+
+
+def test_upgrade_of_exact_name_targets_lists_the_remaining_modules(tiny_gemma):
+    from pipeline.sensitivity import upgrade_recipe
+
+    data = {
+        "name": "all-linear",
+        "groups": [
+            {"name": "all", "targets": [f"model.layers.0.mlp.{t}_proj" for t in ("gate", "up", "down")],
+             "method": "rtn",
+             "scheme": {"bits": 4, "symmetric": True, "group_size": 128}},
+            {"name": "rest", "targets": [r"re:(?!model\.layers\.0\.mlp\.).*_proj$"], "method": "rtn",
+             "scheme": {"bits": 4, "symmetric": True, "group_size": 128}},
+            {"name": "head", "targets": ["lm_head"], "method": "none"},
+        ],
+        "calibration": {"num_samples": 8, "seq_len": 128},
+        "evaluation": {"sequences": 8, "seq_len": 128},
+    }  # fmt: skip
+    base = load_recipe_from(data, tiny_gemma)
+    plan = plan_for_dir(tiny_gemma, base)
+    pick = [{"name": "model.layers.0.mlp.down_proj", "group": "all"}]
+    out = upgrade_recipe(copy.deepcopy(data), base, plan, pick)
+    assert [g["name"] for g in out["groups"]] == ["all", "all-int8", "rest", "head"]
+    assert sorted(out["groups"][0]["targets"]) == [
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj",
+    ]
+    assert out["groups"][1]["targets"] == ["model.layers.0.mlp.down_proj"]
+    assert out["groups"][1]["scheme"]["bits"] == 8
+
+
+def load_recipe_from(data: dict, _model: Path):
+    from pipeline.recipe import Recipe
+
+    return Recipe.model_validate(data)
