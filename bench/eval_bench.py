@@ -78,10 +78,16 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--kl-dtype", choices=["float64", "float32"], default="float64",
+        help="dtype of the log-softmax / KL arithmetic (qship evaluate: float64)",
+    )  # fmt: skip
+    ap.add_argument("--chunk", type=int, default=kl_stats.CHUNK, help="positions per KL chunk")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = args.device
+    kw = {"dtype": getattr(torch, args.kl_dtype), "chunk": args.chunk}
     ids = _ids(args, args.reference)
     ref = load_model(args.reference, device=dev)
     cand = load_model(args.candidate, device=dev)
@@ -110,7 +116,7 @@ def main() -> None:
         for b in batches:
             rl, nxt = forward_logits(ref, b)
             cl, _ = forward_logits(cand, b)
-            acc_exact.add(kl_stats.exact_token_stats(rl, cl, nxt))
+            acc_exact.add(kl_stats.exact_token_stats(rl, cl, nxt, **kw))
 
     res: dict = {
         "device": dev,
@@ -121,6 +127,8 @@ def main() -> None:
         "sequences": args.sequences,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
+        "kl_dtype": args.kl_dtype,
+        "chunk": args.chunk,
         "tokens": tokens,
         "vocab": ref.config.get_text_config().vocab_size,
     }
@@ -144,12 +152,12 @@ def main() -> None:
         def ref_pass(k=k, stored=stored):
             for b in batches:
                 rl, nxt = forward_logits(ref, b)
-                stored.append(kl_stats.reference_topk(rl, nxt, k))
+                stored.append(kl_stats.reference_topk(rl, nxt, k, **kw))
 
         def cand_pass(acc=acc, stored=stored):
             for b, part in zip(batches, stored, strict=True):
                 cl, nxt = forward_logits(cand, b)
-                acc.add(kl_stats.kl_topk_tail(part, cl, nxt))
+                acc.add(kl_stats.kl_topk_tail(part, cl, nxt, **kw))
 
         t_ref, t_cand = timed(ref_pass), timed(cand_pass)
         c = acc.summary()
@@ -173,7 +181,7 @@ def main() -> None:
             for b in batches:
                 rl, nxt = forward_logits(ref, b)
                 cl, _ = forward_logits(cand, b)
-                acc_off.add(kl_stats.exact_token_stats(rl, cl, nxt))
+                acc_off.add(kl_stats.exact_token_stats(rl, cl, nxt, **kw))
 
     timed(exact_kv_off)
     off = acc_off.summary()

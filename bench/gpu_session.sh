@@ -69,6 +69,30 @@ evalbench)
       --batch-size "$b" --no-kl --work "$S/qb$b" --out "$OUT/quantize_gemma_b$b.json" 2>&1 | grep -E "^==|oneshot |peak|failed|Error"
   done
   ;;
+winner)
+  # exact (full-vocabulary, lockstep) figures of the chosen recipes, and the KL arithmetic's
+  # cost on the H200 in float64 (qship evaluate) and float32 with large chunks
+  [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
+  G=$S/gemma-3-270m-q4_k_m.gguf
+  [ -f "$G" ] || cat "$S"/gguf.part0* > "$G"
+  SNAP=$(python3 -m pipeline.cli fetch "$G" --cache-dir "$S/cache" --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['path'])")
+  for name in ${RECIPES:-gptq-w4a-mse-c384-sens6 gptq-w4}; do
+    python3 -m pipeline.cli quantize --model "$SNAP" --recipe .qship-gpu/recipes/$name.yaml --out "$S/w-$name" \
+      --cache-dir "$S/cache" --json > "$OUT/quantize-$name.json" 2> "$S/q-$name.log" || tail -5 "$S/q-$name.log"
+    for mode in exact cached; do
+      python3 -m pipeline.cli evaluate --reference "$SNAP" --candidate "$S/w-$name" --recipe .qship-gpu/recipes/$name.yaml \
+        --cache-dir "$S/cache" --out "$OUT/eval-$name-$mode" $([ $mode = exact ] && echo --exact) --json > /dev/null 2> "$S/e.log"
+      python3 -c "import json,sys;d=json.load(open(sys.argv[1]));m=d['metrics'];print(sys.argv[2],sys.argv[3],m['kl_mode'],round(m['kl']['mean'],4),round(m['kl']['p99'],3),round(m['top1_agreement'],4),round(m['ppl_ratio'],4))" \
+        "$OUT/eval-$name-$mode/eval.json" $name $mode || tail -5 "$S/e.log"
+    done
+  done
+  TOK=$(ls "$S"/cache/tokens/*/tokens.safetensors | head -1)
+  for kd in "float64 128" "float32 1024"; do set -- $kd
+    python3 bench/eval_bench.py --reference "$SNAP" --candidate "$S/w-gptq-w4" --ids "$TOK" --sequences 32 --seq-len 512 \
+      --batch-size 8 --topk 4096 --device cuda --kl-dtype $1 --chunk $2 --json "$OUT/evalbench-$1.json" > "$OUT/evalbench-$1.log" 2>&1
+    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'fwd',d['forward'],'exact',d['exact'],'top4096',d['cached_top4096'])" "$OUT/evalbench-$1.json"
+  done
+  ;;
 eval)
   SNAP=$(python3 -c "import json;print(json.load(open('$S/cache/fetch.json')))" 2>/dev/null)
   SNAP=$(ls -d "$S"/cache/fetch/*/snapshot | head -1)

@@ -71,7 +71,9 @@ def run(cmd: list[str]) -> None:
 def openssl_speed() -> float:
     out = subprocess.run(
         ["openssl", "speed", "-seconds", "3", "-bytes", "16384", "sha256"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     m = re.search(r"^sha256\s+([\d.]+)k", out, re.M)
     return float(m.group(1)) * 1000 / 1e9  # GB/s
@@ -110,20 +112,32 @@ def main() -> None:
     for _ in range(args.repeat):
         warm(one)
         rec("qship sha256_file (1 core, cached)", timed(lambda: sha256_file(one)))
-        rec("openssl dgst -sha256 (1 core, cached)", timed(lambda: run(["openssl", "dgst", "-sha256", str(one)])))
+        rec(
+            "openssl dgst -sha256 (1 core, cached)",
+            timed(lambda: run(["openssl", "dgst", "-sha256", str(one)])),
+        )
         rec("sha256sum (1 core, cached)", timed(lambda: run(["sha256sum", str(one)])))
         drop_cache(one)
         rec("qship sha256_file (1 core, cold)", timed(lambda: sha256_file(one)))
         drop_cache(one)
-        rec("openssl dgst -sha256 (1 core, cold)", timed(lambda: run(["openssl", "dgst", "-sha256", str(one)])))
+        rec(
+            "openssl dgst -sha256 (1 core, cold)",
+            timed(lambda: run(["openssl", "dgst", "-sha256", str(one)])),
+        )
         for f in files:
             warm(f)
         rels = [f.name for f in files]
         total = gb * len(files)
-        rec(f"qship hash_files, {len(files)} files, 1 thread (cached)",
-            timed(lambda: hash_files(args.dir, rels, workers=1)), total)
-        rec(f"qship hash_files, {len(files)} files, {len(files)} threads (cached)",
-            timed(lambda: hash_files(args.dir, rels, workers=len(files))), total)
+        rec(
+            f"qship hash_files, {len(files)} files, 1 thread (cached)",
+            timed(lambda rels=rels: hash_files(args.dir, rels, workers=1)),
+            total,
+        )
+        rec(
+            f"qship hash_files, {len(files)} files, {len(files)} threads (cached)",
+            timed(lambda rels=rels: hash_files(args.dir, rels, workers=len(files))),
+            total,
+        )
 
     speed = openssl_speed()
     med = {k: statistics.median(v) for k, v in rates.items()}

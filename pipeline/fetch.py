@@ -125,7 +125,9 @@ class Snapshot:
             f"  {pin}",
         ]
         for name, check in sorted(self.checks.items()):
-            lines.append(f"  {name}: {check.get('status', check) if isinstance(check, dict) else check}")
+            lines.append(
+                f"  {name}: {check.get('status', check) if isinstance(check, dict) else check}"
+            )
         return "\n".join(lines)
 
 
@@ -328,7 +330,12 @@ def scan_dir(root: Path, *, contain: Path, allow_pickle: bool) -> list[str]:
                 path=str(p),
                 hint="convert it to safetensors, or pass --allow-pickle if you trust the source",
             )
-        if WANTED.match(rel) or rel.endswith(".py") is False and "/" not in rel and rel.endswith(".json"):
+        if (
+            WANTED.match(rel)
+            or rel.endswith(".py") is False
+            and "/" not in rel
+            and rel.endswith(".json")
+        ):
             out.append(rel)
     if not any(r.endswith(WEIGHT_SUFFIXES) for r in out):
         raise IntegrityError(

@@ -78,7 +78,9 @@ def list_files(root: Path) -> list[str]:
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         base = Path(dirpath)
         # symlinked folders are not descended into but must still be seen
-        out += [(base / d).relative_to(root).as_posix() for d in dirnames if (base / d).is_symlink()]
+        out += [
+            (base / d).relative_to(root).as_posix() for d in dirnames if (base / d).is_symlink()
+        ]
         out += [(base / f).relative_to(root).as_posix() for f in filenames]
     return sorted(out)
 

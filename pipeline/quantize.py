@@ -526,7 +526,12 @@ def _peak_memory(device: str) -> dict:
     if device.startswith("cuda") and torch.cuda.is_available():
         out["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         out["cuda_max_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+        # live before this quantize started (included in the peak above)
+        out["cuda_allocated_at_start_bytes"] = _START_ALLOCATED.get(device)
     return out
+
+
+_START_ALLOCATED: dict[str, int] = {}
 
 
 def load_model(model_dir: Path, recipe: Recipe, device: str):
@@ -567,7 +572,14 @@ def quantize(
         )
     device = device or default_device()
     if device.startswith("cuda"):
+        # what an earlier stage of this process left unreachable (a compare runs many
+        # recipes in one process) must not count as this quantize's peak
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        _START_ALLOCATED[device] = int(torch.cuda.memory_allocated())
     with library_logs_to_stderr():
         return _quantize(model_dir, recipe, out_dir, token_sets, device, progress, bare)
 

@@ -219,6 +219,18 @@ def best_recipe(rows: list[dict]) -> str | None:
     return ok[0]["name"]
 
 
+def best_by_width(rows: list[dict]) -> dict[str, str]:
+    """The best passing recipe (best_recipe's rule) per weight width: the integer part of
+    its bits per weight ("4" for 4.125 or 4.196, "8" for 8.02), so that an 8-bit recipe's
+    lower KL does not hide which 4-bit recipe wins."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("bits_per_weight") is not None:
+            by.setdefault(str(int(r["bits_per_weight"])), []).append(r)
+    out = {w: best_recipe(rs) for w, rs in sorted(by.items(), key=lambda kv: int(kv[0]))}
+    return {w: n for w, n in out.items() if n}
+
+
 def _task_names(rows: list[dict]) -> list[str]:
     return sorted({t for r in rows for t in (r.get("tasks") or {})})
 
@@ -274,6 +286,7 @@ def summarise_rows(rows: list[dict]) -> dict:
         "schema": SCHEMA,
         "recipes": [r["name"] for r in rows],
         "best": best_recipe(rows),
+        "best_by_width": best_by_width(rows),
         "best_rule": "lowest kl_mean among passing recipes; tie -> fewer bits_per_weight",
         "pareto_bits_vs_kl": pareto_front(rows),
         "best_per_column": best_per_column(rows),
@@ -316,6 +329,15 @@ def _notes(rows: list[dict]) -> list[str]:
     )
 
 
+def _width_line(report: dict, fmt) -> str:
+    widths = report.get("best_by_width") or {}
+    if len(widths) < 2:
+        return ""
+    return (
+        " Best per weight width: " + "; ".join(f"{w}-bit {fmt(n)}" for w, n in widths.items()) + "."
+    )
+
+
 def render_md(report: dict) -> str:
     rows = report["rows"]
     cols = _columns(rows)
@@ -326,7 +348,7 @@ def render_md(report: dict) -> str:
         "# qship recipe comparison",
         "",
         f"Recipes: {len(rows)}. Best passing recipe (lowest mean KL, tie → fewer bits): "
-        f"**{report['best'] or 'none passed'}**.",
+        f"**{report['best'] or 'none passed'}**." + _width_line(report, lambda n: f"**{n}**"),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] + ["---:"] * len(cols) + ["---"]) + "|",
@@ -403,7 +425,9 @@ def _plt():
 
 
 def plot_pareto(report: dict) -> bytes | None:
-    """bits per weight (x) vs mean KL (y, ± stderr), passing/failing, Pareto front drawn."""
+    """bits per weight (x) vs mean KL (y, ± stderr), passing/failing, Pareto front drawn.
+    When the recipes span several weight widths (4-bit and 8-bit, say), a second panel
+    zooms into the narrowest-bit cluster, where most recipes sit, and names them there."""
     rows = [
         r
         for r in report["rows"]
@@ -412,8 +436,35 @@ def plot_pareto(report: dict) -> bytes | None:
     if not rows:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    front = report["pareto_bits_vs_kl"]
+    low = min(r["bits_per_weight"] for r in rows)
+    cluster = [r for r in rows if r["bits_per_weight"] < low + 1.0]
+    zoom = len(cluster) >= 2 and len(cluster) < len(rows)
+    if zoom:
+        fig, (ax, az) = plt.subplots(1, 2, figsize=(12.0, 4.8), width_ratios=[1, 1.4])
+    else:
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    _draw_pareto(ax, rows, report, legend=True)
+    if zoom:
+        others = [r for r in rows if r not in cluster]
+        _label_points(ax, others, report["best"])
+        ax.annotate(
+            f"{len(cluster)} recipes, see the right panel",
+            (low, max(r["kl_mean"] for r in cluster)),
+            xytext=(10, 10),
+            textcoords="offset points",
+            fontsize=8,
+        )
+        _draw_pareto(az, cluster, report, legend=False)
+        az.set_title(f"zoom: the {int(low)}-bit recipes")
+        _label_points(az, cluster, report["best"])
+    else:
+        _label_points(ax, rows, report["best"])
+    fig.tight_layout()
+    return _figure_png(fig)
+
+
+def _draw_pareto(ax, rows: list[dict], report: dict, *, legend: bool) -> None:
+    front = [n for n in report["pareto_bits_vs_kl"] if any(r["name"] == n for r in rows)]
     by = {r["name"]: r for r in rows}
     if len(front) > 1:
         fx = [by[n]["bits_per_weight"] for n in front]
@@ -450,19 +501,18 @@ def plot_pareto(report: dict) -> bytes | None:
                 linewidths=1.0,
                 zorder=2,
             )
-    ax.scatter([], [], s=120, facecolors="none", edgecolors="k", label="on the front")
     ax.set_xlabel("bits per weight (quantized Linear layers)")
     ax.set_ylabel("mean KL(ref ‖ quant), nats/token")
     ax.set_title("Quality vs size: lower-left is better")
     xs = [r["bits_per_weight"] for r in rows]
     span = max(xs) - min(xs)
     pad = span * 0.15 if span > 0 else 0.25
-    ax.set_xlim(min(xs) - pad, max(xs) + pad * 2)
+    ax.set_xlim(min(xs) - pad, max(xs) + pad * 4)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    _label_points(ax, rows, report["best"])
-    return _figure_png(fig)
+    if legend:
+        ax.scatter([], [], s=120, facecolors="none", edgecolors="k", label="on the front")
+        ax.legend(fontsize=8, loc="best")
 
 
 def _label_points(ax, rows: list[dict], best: str | None) -> None:
@@ -558,7 +608,9 @@ def render_html(report: dict, images: dict[str, bytes | None]) -> str:
         f"<style>{_CSS}</style></head><body>",
         "<h1>qship recipe comparison</h1>",
         f"<p>{len(rows)} recipes. Best passing recipe (lowest mean KL, tie &rarr; fewer bits): "
-        f"<b>{e(report['best'] or 'none passed')}</b>.</p>",
+        f"<b>{e(report['best'] or 'none passed')}</b>."
+        + _width_line(report, lambda n: f"<b>{e(n)}</b>")
+        + "</p>",
         "<table><thead><tr><th>recipe</th>"
         + "".join(f"<th>{e(h)}</th>" for _, h, _, _ in cols)
         + "<th>gate</th></tr></thead><tbody>",

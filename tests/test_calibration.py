@@ -103,3 +103,26 @@ def test_hub_source_falls_back_offline(tok, monkeypatch):
 def test_missing_local_file_is_usage_error(tok, tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         build_token_sets(tok, CAL.model_copy(update={"source": str(tmp_path / "nope.txt")}), EV)
+
+
+def test_exported_jsonl_gives_the_builtin_token_sets(tok, tmp_path):
+    """bench/export_corpus.py's JSONL (text + doc_id + part) builds the very same
+    calibration and held-out tokens as builtin:english (how the GPU runs match the CPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(
+        [sys.executable, str(root / "bench" / "export_corpus.py"), str(tmp_path)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    jl = tmp_path / "english.jsonl"
+    a = build_token_sets(tok, CAL, EV)
+    b = build_token_sets(tok, CAL.model_copy(update={"source": str(jl)}), EV)
+    assert (a.calib_hash, a.heldout_hash, a.corpus_hash) == (
+        b.calib_hash,
+        b.heldout_hash,
+        b.corpus_hash,
+    )
+    assert torch.equal(a.heldout_ids, b.heldout_ids)

@@ -270,7 +270,8 @@ def test_mse_observer_is_used_and_recorded(tiny_gemma, quantized, tokens, work):
     assert {g["weights"]["observer"] for g in qc["config_groups"].values()} == {"mse"}
     base = quantized(tiny_gemma, "gptq-w4").path
     key = "model.layers.0.mlp.down_proj.weight_scale"
-    with safe_open(str(res.path / "model.safetensors"), "pt") as a, safe_open(
-        str(base / "model.safetensors"), "pt"
-    ) as b:
+    with (
+        safe_open(str(res.path / "model.safetensors"), "pt") as a,
+        safe_open(str(base / "model.safetensors"), "pt") as b,
+    ):
         assert not torch.equal(a.get_tensor(key), b.get_tensor(key))

@@ -17,7 +17,16 @@ from pipeline.recipe import load_recipe, parse_recipe, validate_for_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-EXPECTED = {"gemma-mixed-w4", "gemma-mixed-w4-cpu", "awq-w4", "gptq-w4", "rtn-w4", "mixed-w4-nokv", "w8-int8"}
+EXPECTED = {
+    "gemma-mixed-w4",
+    "gemma-mixed-w4-cpu",
+    "awq-w4",
+    "gptq-w4",
+    "rtn-w4",
+    "mixed-w4-nokv",
+    "w8-int8",
+    "gptq-w4a-mse-c384-sens6",
+}
 
 
 def _base() -> dict:
@@ -229,3 +238,24 @@ def test_yaml_syntax_and_missing_file(tmp_path):
         load_recipe(p)
     with pytest.raises(RecipeError, match="cannot read"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+def test_best_4bit_recipe_plans_within_its_budget_on_gemma(gemma_snapshot):
+    """The sensitivity-derived recipe (bench/RESULTS.md) on the real Gemma 3 270M: at most
+    4.20 bits per quantized weight, exactly its six v_proj at int8, the rest int4 asym."""
+    from pipeline.plan import plan_for_dir
+
+    plan = plan_for_dir(
+        Path(gemma_snapshot.path), load_recipe(ROOT / "recipes" / "gptq-w4a-mse-c384-sens6.yaml")
+    )
+    bpw = plan.bits_per_weight["quantized"]
+    assert 4.156 < bpw <= 4.20, bpw
+    q = [m for m in plan.modules if m.scheme]
+    int8 = sorted(m.name for m in q if m.scheme["bits"] == 8)
+    assert len(int8) == 6 and all(n.endswith("self_attn.v_proj") for n in int8)
+    assert all(
+        m.scheme == {"bits": 4, "symmetric": False, "group_size": 128, "observer": "mse"}
+        for m in q
+        if m.scheme["bits"] == 4
+    )
+    assert len(q) == 18 * 7

@@ -19,6 +19,7 @@ from pipeline.errors import UsageError
 from pipeline.report import (
     KL_HIST_EDGES,
     REPORT_FILES,
+    best_by_width,
     best_per_column,
     best_recipe,
     kl_histogram,
@@ -142,6 +143,10 @@ def test_selection_rules():
     assert best["kl_mean"] == ["c"] and best["bits_per_weight"] == ["a"]
     assert sorted(best["top1"]) == ["c", "d"]  # ties all marked
     assert best_recipe([{**r, "passed": False} for r in rows]) is None
+    # per weight width: the failed 8-bit row gives no 8-bit winner; a passing one does
+    assert best_by_width(rows) == {"4": "a"}
+    rows[2]["passed"] = True
+    assert best_by_width(rows) == {"4": "a", "8": "c"} and best_recipe(rows) == "c"
 
 
 def test_duplicate_names_refused(evals):
