@@ -329,24 +329,6 @@ def _snapshot(model: str | Path, ctx):
     return runner.fetch_stage(str(model), ctx)
 
 
-def per_token_kl(
-    candidate_dir: Path, heldout_ids, reference_cache: dict, *, batch_size: int, device: str
-):
-    """Per-token KL (as deployed) of the candidate against the cached reference entry that
-    evaluate used, through evaluate's own scorer, so the values' mean is evaluate's
-    `metrics.kl.mean`. Needed for the distribution plot because EvalResult carries
-    summaries only (one extra candidate pass)."""
-    from safetensors.torch import load_file
-
-    from . import evaluate as ev_mod
-
-    ref = load_file(str(Path(reference_cache["path"]) / reference_cache["file"]))
-    model = ev_mod.load_model(candidate_dir, device=device)
-    acc = ev_mod.score_against_reference(model, heldout_ids, ref, batch_size)["on"]
-    del model
-    return acc.arrays()["kl"]
-
-
 def compare(
     model: str | Path,
     recipes: list[Path],
@@ -354,7 +336,6 @@ def compare(
     *,
     cache_dir: Path,
     device: str | None = None,
-    kl_tokens: bool = True,
 ) -> CompareResult:
     """Quantize, evaluate and gate every recipe on one model; write the report to `out`.
 
@@ -366,14 +347,10 @@ def compare(
     """
     # llm-compressor's logger writes to stdout; `--json` stdout must hold only the result
     with contextlib.redirect_stdout(sys.stderr):
-        return _compare(
-            model, recipes, Path(out), cache_dir=Path(cache_dir), device=device, kl_tokens=kl_tokens
-        )
+        return _compare(model, recipes, Path(out), cache_dir=Path(cache_dir), device=device)
 
 
-def _compare(
-    model, recipes, out: Path, *, cache_dir: Path, device, kl_tokens: bool
-) -> CompareResult:
+def _compare(model, recipes, out: Path, *, cache_dir: Path, device) -> CompareResult:
     from . import evaluate as ev_mod
     from . import runner
     from .plan import load_meta_model
@@ -402,24 +379,9 @@ def _compare(
         rdir.mkdir(parents=True, exist_ok=True)
         # eval.json + eval.md, as `qship evaluate` and `qship run` write them
         ev_mod.write_outputs(evaluated.eval_json, evaluated.verdict, rdir)
-        kl = None
-        ref = evaluated.eval_json.get("reference_cache")
-        if kl_tokens and ref:
-            e = r.evaluation
-            kl = per_token_kl(q.path, ts.heldout_ids, ref, batch_size=e.batch_size, device=device)
-            mean, want = float(kl.mean()), evaluated.eval_json["metrics"]["kl"]["mean"]
-            if abs(mean - want) > 1e-9 * max(1.0, mean):
-                from .errors import StageError
-
-                raise StageError(
-                    f"per-token KL of {r.name} (mean {mean!r}) disagrees with evaluate's "
-                    f"mean {want!r}",
-                    path=str(q.path),
-                    hint="evaluate changed how it scores tokens; align compare.per_token_kl",
-                )
         ev = json.loads((rdir / EVAL_FILE).read_text())
         ev["compare"] = compare_block(
-            name=r.name, recipe=Path(path).as_posix(), quantize_report=q.record, kl_tokens=kl
+            name=r.name, recipe=Path(path).as_posix(), quantize_report=q.record
         )
         ev["compare"].update(model=str(model), quantized_dir=str(q.path))
         atomic_write_text(

@@ -27,6 +27,9 @@ import torch
 
 CHUNK = 128  # positions per chunk: 128 x 262,144 x 8 bytes = 256 MiB per float64 tensor
 LOG_FLOOR = -1.0e4  # log of a mass that underflowed to 0 (keeps 0 * log 0 finite)
+# Fixed log-spaced KL bins: 8 per decade from 1e-6 to 1e2 nats (values below 1e-6,
+# including exact zeros, are counted in "zero"; values above 1e2 go to the last bin).
+KL_HIST_EDGES: list[float] = [float(x) for x in np.logspace(-6, 2, 8 * 8 + 1)]
 
 
 def _tail_logmass(logp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -174,6 +177,17 @@ class Accumulator:
         return summarise(**self.arrays())
 
 
+def kl_histogram(values) -> dict:
+    """Per-token KL values -> counts on KL_HIST_EDGES (a fixed binning, so rows compare)."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    v = v[np.isfinite(v)]
+    edges = np.asarray(KL_HIST_EDGES)
+    zero = int((v < edges[0]).sum())
+    pos = np.minimum(v[v >= edges[0]], edges[-1])
+    counts, _ = np.histogram(pos, bins=edges)
+    return {"edges": KL_HIST_EDGES, "counts": [int(c) for c in counts], "zero": zero}
+
+
 def summarise(kl, top1, nll_ref, nll_cand, dp) -> dict:
     """The eval.json figures from per-token arrays (numpy, float64)."""
     kl = np.asarray(kl, dtype=np.float64)
@@ -210,4 +224,6 @@ def summarise(kl, top1, nll_ref, nll_cand, dp) -> dict:
         else 0.0,
         "rms_dp": float(np.sqrt(np.mean(dp**2))),
         "mean_dp": float(dp.mean()),
+        # the per-token distribution, for compare's plot without another candidate pass
+        "kl_hist": kl_histogram(kl),
     }

@@ -44,12 +44,10 @@ from typing import Any
 import numpy as np
 
 from .fsutil import atomic_write_bytes, atomic_write_text
+from .kl_stats import KL_HIST_EDGES, kl_histogram  # noqa: F401 (re-exported)
 
 SCHEMA = "qship.compare/1"
 
-# Fixed log-spaced KL bins: 8 per decade from 1e-6 to 1e2 nats (values below 1e-6,
-# including exact zeros, are counted in "zero"; values above 1e2 go to the last bin).
-KL_HIST_EDGES: list[float] = [float(x) for x in np.logspace(-6, 2, 8 * 8 + 1)]
 
 # (key, header, format, direction): direction "min"/"max"/"one" (closest to 1) or None
 COLUMNS: list[tuple[str, str, str, str | None]] = [
@@ -90,17 +88,6 @@ SCALARS = [
 
 
 # ------------------------------------------------------------------ rows
-
-
-def kl_histogram(values: Any) -> dict:
-    """Per-token KL values -> counts on KL_HIST_EDGES (a fixed binning, so rows compare)."""
-    v = np.asarray(values, dtype=np.float64).ravel()
-    v = v[np.isfinite(v)]
-    edges = np.asarray(KL_HIST_EDGES)
-    zero = int((v < edges[0]).sum())
-    pos = np.minimum(v[v >= edges[0]], edges[-1])
-    counts, _ = np.histogram(pos, bins=edges)
-    return {"edges": KL_HIST_EDGES, "counts": [int(c) for c in counts], "zero": zero}
 
 
 def _num(x: Any) -> float | int | None:
@@ -178,7 +165,7 @@ def row_from_eval(ev: dict, **extra: Any) -> dict:
     for k in ("ppl_reference", "ppl_candidate", "ppl_ratio"):
         row[k] = _num(m.get(k))
     row["tasks"] = task_scores(ev)
-    hist = cmp.get("kl_hist") or ev.get("kl_hist")
+    hist = cmp.get("kl_hist") or ev.get("kl_hist") or m.get("kl_hist")
     row["kl_hist"] = hist if isinstance(hist, dict) and "counts" in hist else None
     row["source"] = None
     row.update(extra)

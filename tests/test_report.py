@@ -321,7 +321,9 @@ def test_collect_without_compare_block_reads_siblings(evals, tmp_path):
     )
     assert r["kl_mean"] == row_from_eval({**ev, "compare": block})["kl_mean"]
     res = collect([d], tmp_path / "rep")
-    assert res.report["rows"][0]["kl_hist"] is None
+    # evaluate stores the per-token histogram itself: a CI job's eval.json plots as well
+    h = res.report["rows"][0]["kl_hist"]
+    assert h == ev["metrics"]["kl_hist"] and sum(h["counts"]) + h["zero"] == ev["metrics"]["tokens"]
 
 
 def test_collect_qship_run_layout(evals, tmp_path):
