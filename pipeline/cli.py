@@ -319,6 +319,14 @@ def evaluate_cmd(
         int | None,
         typer.Option("--topk", min=1, help="Reference tokens stored per position (cached mode)."),
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="Compute dtype of both models: bfloat16 / float16 / float32 "
+            "(default: the checkpoint's on a GPU, float32 on the CPU).",
+        ),
+    ] = None,
     device: Annotated[str | None, typer.Option("--device", help="cuda / cpu.")] = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
@@ -331,6 +339,13 @@ def evaluate_cmd(
     from .recipe import load_recipe
     from .reference_cache import DEFAULT_TOPK
 
+    if dtype not in (None, "bfloat16", "float16", "float32"):
+        from .errors import UsageError
+
+        raise UsageError(
+            f"--dtype {dtype!r} is not a compute dtype", path="--dtype",
+            hint="use bfloat16, float16 or float32",
+        )  # fmt: skip
     r = load_recipe(recipe)
     root = cache_root(cache_dir)
     ts = build_token_sets(
@@ -355,6 +370,7 @@ def evaluate_cmd(
         exact=exact,
         topk=topk or DEFAULT_TOPK,
         device=device,
+        dtype=dtype,
     )
     if as_json:
         emit({**res.to_json(), "verdict": verdict.to_json(), "outputs": str(out)}, True)

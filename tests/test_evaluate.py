@@ -288,3 +288,27 @@ def test_gemma270m_cached_agrees_with_exact(tmp_path):
     c = ev.evaluate(ref, cand, kv_off=False, **kw).metrics["kl"]["mean"]
     assert c <= e * (1 + 1e-6)
     assert (e - c) / e < 0.01, f"cached {c} vs exact {e}"
+
+
+def test_cli_evaluate_dtype_and_topk_reach_the_evaluation(tiny_llama, llama_2bit, tmp_path, capsys):
+    """--dtype float32 / --topk 16 are what eval.json records; a bad --dtype is exit 2."""
+    from cli_run import qship
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "name: t\ngroups:\n  - {name: all, targets: [Linear], method: rtn, scheme: {bits: 4}}\n"
+        "calibration: {source: builtin:english, num_samples: 4, seq_len: 64, batch_size: 4}\n"
+        "evaluation: {sequences: 3, seq_len: 64, batch_size: 3}\n"
+        "gates: {kl_mean_max: 10.0}\n"
+    )
+    args = ["evaluate", "--reference", str(tiny_llama), "--candidate", str(llama_2bit),
+            "--recipe", str(recipe), "--cache-dir", str(tmp_path / "c"), "--device", "cpu"]  # fmt: skip
+    rc, data = qship(
+        capsys, *args, "--out", str(tmp_path / "o"), "--dtype", "float32", "--topk", "16"
+    )
+    assert rc == 0, data
+    assert data["settings"]["dtype"] == "float32" and data["settings"]["topk"] == 16
+    assert data["metrics"]["kl_mode"] == "cached-top16+tail"
+    rc, err = qship(capsys, *args, "--out", str(tmp_path / "o2"), "--dtype", "fp8")
+    assert rc == 2 and "--dtype" in err["message"]
+    assert not (tmp_path / "o2").exists()
