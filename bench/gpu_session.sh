@@ -87,10 +87,11 @@ winner)
     done
   done
   TOK=$(ls "$S"/cache/tokens/*/tokens.safetensors | head -1)
-  for kd in "float64 128" "float32 1024"; do set -- $kd
+  # float64 as qship evaluate runs it; float32; the fused reduction form, compiled
+  for kd in "float64 128 f64" "float32 1024 f32" "float64 1024 fused --fused"; do set -- $kd
     python3 bench/eval_bench.py --reference "$SNAP" --candidate "$S/w-gptq-w4" --ids "$TOK" --sequences 32 --seq-len 512 \
-      --batch-size 8 --topk 4096 --device cuda --kl-dtype $1 --chunk $2 --json "$OUT/evalbench-$1.json" > "$OUT/evalbench-$1.log" 2>&1
-    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'fwd',d['forward'],'exact',d['exact'],'top4096',d['cached_top4096'])" "$OUT/evalbench-$1.json"
+      --batch-size 8 --topk 4096 --device cuda --kl-dtype $1 --chunk $2 ${4:-} --json "$OUT/evalbench-$3.json" > "$OUT/evalbench-$3.log" 2>&1
+    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'fwd',d['forward'],'exact',d['exact'],'top4096',d['cached_top4096'])" "$OUT/evalbench-$3.json"
   done
   ;;
 eval)

@@ -79,6 +79,55 @@ def exact_token_stats(
     }
 
 
+def _fused_rows(ref: torch.Tensor, cand: torch.Tensor, nxt: torch.Tensor, dtype: torch.dtype):
+    """The exact statistics written as reductions over the raw logits, so that a compiler
+    (torch.compile) can fuse each into one read of the two logit tensors:
+    KL = sum_v p_ref(v) (r_v - c_v) - lse(r) + lse(c), with p_ref = exp(r - lse(r))."""
+    r, c = ref.to(dtype), cand.to(dtype)
+    lse_r = torch.logsumexp(r, -1)
+    lse_c = torch.logsumexp(c, -1)
+    kl = (torch.exp(r - lse_r[:, None]) * (r - c)).sum(-1) - lse_r + lse_c
+    lr_n = r.gather(-1, nxt[:, None]).squeeze(-1) - lse_r
+    lc_n = c.gather(-1, nxt[:, None]).squeeze(-1) - lse_c
+    top1 = r.argmax(-1) == c.argmax(-1)
+    return kl.clamp(min=0.0), top1, -lr_n, -lc_n, lc_n.exp() - lr_n.exp()
+
+
+_COMPILED: dict = {}
+
+
+def exact_token_stats_fused(
+    ref_logits: torch.Tensor,
+    cand_logits: torch.Tensor,
+    next_ids: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float64,
+    chunk: int = 1024,
+    compile: bool = False,
+) -> dict[str, torch.Tensor]:
+    """`exact_token_stats` through `_fused_rows` (same figures, float64 arithmetic by
+    default); with compile=True the rows go through torch.compile, which fuses the
+    reductions so the 262k-wide rows are read, not written, in `dtype`. Not yet the
+    default: its speed on the H200 is still to be measured (bench/eval_bench.py --fused)."""
+    if ref_logits.shape != cand_logits.shape:
+        raise ValueError(f"logit shapes differ: {ref_logits.shape} vs {cand_logits.shape}")
+    fn = _fused_rows
+    if compile:
+        fn = _COMPILED.setdefault("rows", torch.compile(_fused_rows, dynamic=True))
+    keys = ("kl", "top1", "nll_ref", "nll_cand", "dp")
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+    for s in range(0, ref_logits.shape[0], chunk):
+        nxt = next_ids[s : s + chunk].to(ref_logits.device).long()
+        for k, v in zip(
+            keys, fn(ref_logits[s : s + chunk], cand_logits[s : s + chunk], nxt, dtype), strict=True
+        ):
+            out[k].append(v)
+    return {
+        k: torch.cat(v).double().cpu() if k != "top1" else torch.cat(v).cpu()
+        for k, v in out.items()
+    }
+
+
 # ------------------------------------------------------------ truncated reference (cache)
 
 

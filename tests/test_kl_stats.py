@@ -111,3 +111,18 @@ def test_tail_mass_is_accurate_when_tiny():
     stored = kl_stats.reference_topk(ref, torch.tensor([0]), 1)
     want = math.log(9) - 50.0  # log(9 e^-50 / (1 + 9 e^-50))
     assert stored["tail_logp"].item() == pytest.approx(want, rel=1e-9)
+
+
+def test_fused_form_matches_direct_float64(logits):
+    """The fused reduction form (for a compiled GPU path) gives the same figures; the bf16
+    logits qship feeds it are upcast inside."""
+    ref, cand, nxt = logits
+    got = kl_stats.exact_token_stats_fused(ref, cand, nxt, chunk=37)
+    want = _direct(ref.numpy(), cand.numpy(), nxt.numpy())
+    for k in ("kl", "nll_ref", "nll_cand", "dp"):
+        np.testing.assert_allclose(got[k].numpy(), want[k], rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(got["top1"].numpy(), want["top1"])
+    rb, cb = ref.bfloat16(), cand.bfloat16()
+    a = kl_stats.exact_token_stats_fused(rb, cb, nxt)
+    b = kl_stats.exact_token_stats(rb, cb, nxt)
+    np.testing.assert_allclose(a["kl"].numpy(), b["kl"].numpy(), rtol=1e-9, atol=1e-12)
