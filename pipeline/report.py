@@ -538,8 +538,11 @@ def plot_kl_distribution(report: dict) -> bytes | None:
     if not any(r.get("kl_hist") or r.get("kl_median") is not None for r in rows):
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    many = len(report["rows"]) > 10  # more rows than the default cycle has colours
+    fig, ax = plt.subplots(figsize=(9.6, 4.8) if many else (6.8, 4.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if many:
+        colors = [plt.get_cmap("tab20")(i) for i in range(20)]
     for i, r in enumerate(rows):
         c = colors[i % len(colors)]
         h = r.get("kl_hist")
@@ -562,7 +565,11 @@ def plot_kl_distribution(report: dict) -> bytes | None:
     ax.set_ylabel("fraction of tokens per bin")
     ax.set_title("Per-token KL distribution (solid: median, dotted: p99)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if many:  # beside the axes: inside, a dozen entries hide the histograms
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+    else:
+        ax.legend(fontsize=8)
     return _figure_png(fig)
 
 
