@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ def score_against_reference(
     ref: dict[str, torch.Tensor],
     batch_size: int,
     kv_passes: dict[str, bool] | None = None,
+    progress: str | None = None,
 ) -> dict[str, kl_stats.Accumulator]:
     """Per-token figures of `model` on `ids` against a cached reference entry (top-k + tail,
     rows in sequence-then-position order). One pass per entry of `kv_passes` (name -> KV
@@ -119,7 +121,8 @@ def score_against_reference(
     kv_passes = kv_passes or {"on": True}
     acc = {name: kl_stats.Accumulator() for name in kv_passes}
     per_seq = ids.shape[1] - 1
-    for s in range(0, ids.shape[0], batch_size):
+    n, t0, last = ids.shape[0], time.perf_counter(), 0.0
+    for s in range(0, n, batch_size):
         batch = ids[s : s + batch_size]
         rows = slice(s * per_seq, (s + batch.shape[0]) * per_seq)
         part = {k: v[rows] for k, v in ref.items()}
@@ -128,6 +131,14 @@ def score_against_reference(
                 cl, nxt = forward_logits(model, batch)
             acc[name].add(kl_stats.kl_topk_tail(part, cl, nxt))
             del cl
+        done, now = s + batch.shape[0], time.perf_counter()
+        if progress and (now - last > 10 or done == n):  # a line every 10 s on slow machines
+            last = now
+            print(
+                f"qship evaluate: {progress} {done}/{n} sequences ({now - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return acc
 
 
@@ -265,7 +276,9 @@ def evaluate(
         n_hooked = len(kv_modules(cand_model))
         t0 = time.perf_counter()
         kv_passes = {"on": True, "off": False} if do_kv_off else {"on": True}
-        scored = score_against_reference(cand_model, heldout_ids, ref, batch_size, kv_passes)
+        scored = score_against_reference(
+            cand_model, heldout_ids, ref, batch_size, kv_passes, progress="candidate"
+        )
         on, off = scored["on"], scored.get("off", off)
         _sync(device)
         timings["candidate_s"] = time.perf_counter() - t0
