@@ -236,9 +236,17 @@ def evaluate(
         ref_model, cand_model = load(reference_dir), load(candidate_dir)
         timings["load_s"] = time.perf_counter() - t0
         n_hooked = len(kv_modules(cand_model))
-        t0 = time.perf_counter()
-        for s in range(0, heldout_ids.shape[0], batch_size):
+        t0 = last = time.perf_counter()
+        n = heldout_ids.shape[0]
+        for s in range(0, n, batch_size):
             batch = heldout_ids[s : s + batch_size]
+            if time.perf_counter() - last > 10:  # a line every 10 s on slow machines
+                last = time.perf_counter()
+                print(
+                    f"qship evaluate: exact {s}/{n} sequences ({last - t0:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             rl, nxt = forward_logits(ref_model, batch)
             with kv_quantization(cand_model, True):
                 cl, _ = forward_logits(cand_model, batch)
