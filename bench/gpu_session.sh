@@ -76,7 +76,7 @@ winner)
   G=$S/gemma-3-270m-q4_k_m.gguf
   [ -f "$G" ] || cat "$S"/gguf.part0* > "$G"
   SNAP=$(python3 -m pipeline.cli fetch "$G" --cache-dir "$S/cache" --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['path'])")
-  for name in ${RECIPES:-gptq-w4a-mse-c384-sens6 gptq-w4}; do
+  for name in ${RECIPES:-gptq-w4a-mse-sens6 gptq-w4a-mse-c384-sens6 gptq-w4}; do
     python3 -m pipeline.cli quantize --model "$SNAP" --recipe .qship-gpu/recipes/$name.yaml --out "$S/w-$name" \
       --cache-dir "$S/cache" --json > "$OUT/quantize-$name.json" 2> "$S/q-$name.log" || tail -5 "$S/q-$name.log"
     for mode in exact cached; do

@@ -25,7 +25,7 @@ EXPECTED = {
     "rtn-w4",
     "mixed-w4-nokv",
     "w8-int8",
-    "gptq-w4a-mse-c384-sens6",
+    "gptq-w4a-mse-sens6",
 }
 
 
@@ -246,7 +246,7 @@ def test_best_4bit_recipe_plans_within_its_budget_on_gemma(gemma_snapshot):
     from pipeline.plan import plan_for_dir
 
     plan = plan_for_dir(
-        Path(gemma_snapshot.path), load_recipe(ROOT / "recipes" / "gptq-w4a-mse-c384-sens6.yaml")
+        Path(gemma_snapshot.path), load_recipe(ROOT / "recipes" / "gptq-w4a-mse-sens6.yaml")
     )
     bpw = plan.bits_per_weight["quantized"]
     assert 4.156 < bpw <= 4.20, bpw
