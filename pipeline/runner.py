@@ -268,6 +268,13 @@ def run(
 
     write_outputs(evaluated.eval_json, evaluated.verdict, reports)
     atomic_write_text(reports / "plan.json", json.dumps(quantized.record["plan"], indent=2) + "\n")
+    # the quantize figures (size, time, peak memory) stay readable when the gate fails and
+    # no artifact is written: `qship compare --collect` of a failed CI job takes them here
+    if isinstance(quantized.record.get("report"), dict):
+        atomic_write_text(
+            reports / "quantize_report.json",
+            json.dumps(quantized.record["report"], indent=2, sort_keys=True, default=str) + "\n",
+        )
     result = RunResult(
         None, reports, evaluated.verdict.passed, evaluated.verdict.to_json(), ctx.stages
     )

@@ -276,6 +276,8 @@ def test_collect_of_qship_run_jobs_equals_compare(
         args = ["run", "--model", str(tiny_llama), "--recipe", str(rp), "--out", str(job / name)]
         rc = main([*args, "--cache-dir", str(cache), "--device", "cpu"])
         assert rc == (0 if name == "tiny-gptq" else 4)
+        # a failed gate leaves no artifact, but its report keeps the quantize figures
+        assert (job / f"{name}.report" / "quantize_report.json").is_file()
     assert _entries(cache, "quantize") == before  # nothing re-quantized
     buf = io.StringIO()
     import contextlib
@@ -305,3 +307,4 @@ def test_collect_of_qship_run_jobs_equals_compare(
             assert r[k] == pytest.approx(w[k], rel=1e-9, abs=1e-12), (r["name"], k)
         assert r["passed"] is w["passed"]
         assert [c["name"] for c in r["checks"]] == [c["name"] for c in w["checks"]]
+        assert (r["bits_per_weight"], r["quantize_s"]) == (w["bits_per_weight"], w["quantize_s"])
