@@ -165,9 +165,9 @@ def _local(path: Path):
             )
         # doc_id/part, when present, are kept: `bench/export_corpus.py` writes builtin:english
         # this way so a machine without gensim builds the very same token sets
-        keep = [c for c in ("text", "doc_id", "part") if c in ds.column_names]
-        if set(keep) == {"text", "doc_id", "part"}:
-            return ds.select_columns(keep).filter(lambda r: bool(r["text"].strip()))
+        if {"doc_id", "part"} <= set(ds.column_names):
+            cols = ["text", "doc_id", "part"]
+            return ds.select_columns(cols).filter(lambda r: bool(r["text"].strip()))
         ds = ds.select_columns(["text"])
     else:
         ds = datasets.load_dataset(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from . import kl_stats, reference_cache
 from .devices import default_device
 from .errors import GateFailed, StageError, UsageError
 from .fsutil import atomic_write_text
+from .progress import Every
 
 KV_ATTR = "kv_cache"  # compressed_tensors.modeling.kvcache.KV_CACHE_ATTR
 
@@ -121,7 +121,8 @@ def score_against_reference(
     kv_passes = kv_passes or {"on": True}
     acc = {name: kl_stats.Accumulator() for name in kv_passes}
     per_seq = ids.shape[1] - 1
-    n, t0, last = ids.shape[0], time.perf_counter(), 0.0
+    n = ids.shape[0]
+    bar = Every(f"qship evaluate: {progress}", n) if progress else None
     for s in range(0, n, batch_size):
         batch = ids[s : s + batch_size]
         rows = slice(s * per_seq, (s + batch.shape[0]) * per_seq)
@@ -131,14 +132,8 @@ def score_against_reference(
                 cl, nxt = forward_logits(model, batch)
             acc[name].add(kl_stats.kl_topk_tail(part, cl, nxt))
             del cl
-        done, now = s + batch.shape[0], time.perf_counter()
-        if progress and (now - last > 10 or done == n):  # a line every 10 s on slow machines
-            last = now
-            print(
-                f"qship evaluate: {progress} {done}/{n} sequences ({now - t0:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+        if bar:
+            bar.step(s + batch.shape[0])
     return acc
 
 
@@ -236,17 +231,11 @@ def evaluate(
         ref_model, cand_model = load(reference_dir), load(candidate_dir)
         timings["load_s"] = time.perf_counter() - t0
         n_hooked = len(kv_modules(cand_model))
-        t0 = last = time.perf_counter()
+        t0 = time.perf_counter()
         n = heldout_ids.shape[0]
+        bar = Every("qship evaluate: exact", n)
         for s in range(0, n, batch_size):
             batch = heldout_ids[s : s + batch_size]
-            if time.perf_counter() - last > 10:  # a line every 10 s on slow machines
-                last = time.perf_counter()
-                print(
-                    f"qship evaluate: exact {s}/{n} sequences ({last - t0:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
             rl, nxt = forward_logits(ref_model, batch)
             with kv_quantization(cand_model, True):
                 cl, _ = forward_logits(cand_model, batch)
@@ -258,6 +247,7 @@ def evaluate(
                 off.add(kl_stats.exact_token_stats(rl, cl, nxt))
                 del cl
             del rl
+            bar.step(s + batch.shape[0])
         _sync(device)
         timings["lockstep_s"] = time.perf_counter() - t0
         del ref_model, cand_model

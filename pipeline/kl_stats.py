@@ -32,6 +32,14 @@ LOG_FLOOR = -1.0e4  # log of a mass that underflowed to 0 (keeps 0 * log 0 finit
 KL_HIST_EDGES: list[float] = [float(x) for x in np.logspace(-6, 2, 8 * 8 + 1)]
 
 
+def _cat_stats(out: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-chunk statistics joined on the CPU: float64, top-1 agreement as bool."""
+    return {
+        k: torch.cat(v).cpu() if k == "top1" else torch.cat(v).double().cpu()
+        for k, v in out.items()
+    }
+
+
 def _tail_logmass(logp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """log of the probability mass outside `idx`, summed directly (no 1 - x cancellation)."""
     masked = logp.scatter(-1, idx, float("-inf"))
@@ -73,10 +81,7 @@ def exact_token_stats(
         out["nll_cand"].append(-lc_n)
         out["dp"].append(lc_n.exp() - lr_n.exp())
         del lr, lc, pr
-    return {
-        k: torch.cat(v).double().cpu() if k != "top1" else torch.cat(v).cpu()
-        for k, v in out.items()
-    }
+    return _cat_stats(out)
 
 
 def _fused_rows(ref: torch.Tensor, cand: torch.Tensor, nxt: torch.Tensor, dtype: torch.dtype):
@@ -122,10 +127,7 @@ def exact_token_stats_fused(
             keys, fn(ref_logits[s : s + chunk], cand_logits[s : s + chunk], nxt, dtype), strict=True
         ):
             out[k].append(v)
-    return {
-        k: torch.cat(v).double().cpu() if k != "top1" else torch.cat(v).cpu()
-        for k, v in out.items()
-    }
+    return _cat_stats(out)
 
 
 # ------------------------------------------------------------ truncated reference (cache)
@@ -200,10 +202,7 @@ def kl_topk_tail(
         out["nll_cand"].append(-lc_n)
         out["dp"].append(lc_n.exp() - lr_n.exp())
         del lc
-    return {
-        k: torch.cat(v).double().cpu() if k != "top1" else torch.cat(v).cpu()
-        for k, v in out.items()
-    }
+    return _cat_stats(out)
 
 
 # ------------------------------------------------------------------ summary statistics

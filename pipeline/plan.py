@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UsageError
-from .recipe import Recipe, validate_for_model
+from .recipe import Recipe, Scheme, validate_for_model
 
 DTYPE_BITS = {"bfloat16": 16, "float16": 16, "float32": 32}
 
@@ -128,9 +128,7 @@ class Plan:
 def _scheme_label(s: dict | None, dtype: str) -> str:
     if not s:
         return f"{dtype} (kept)"
-    kind = "sym" if s["symmetric"] else "asym"
-    grp = f"g{s['group_size']}" if s["group_size"] else "per-channel"
-    return f"int{s['bits']} {kind} {grp}" + (f" {s['observer']}" if s.get("observer") else "")
+    return Scheme(**s).label()
 
 
 def weight_storage_bits(out_f: int, in_f: int, scheme: dict | None, dtype_bits: int) -> int:

@@ -521,17 +521,14 @@ def _first_nonfinite_module(model, ids) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def _peak_memory(device: str) -> dict:
+def _peak_memory(device: str, cuda_start: int | None) -> dict:
     out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if device.startswith("cuda") and torch.cuda.is_available():
         out["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         out["cuda_max_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
         # live before this quantize started (included in the peak above)
-        out["cuda_allocated_at_start_bytes"] = _START_ALLOCATED.get(device)
+        out["cuda_allocated_at_start_bytes"] = cuda_start
     return out
-
-
-_START_ALLOCATED: dict[str, int] = {}
 
 
 def load_model(model_dir: Path, recipe: Recipe, device: str):
@@ -571,6 +568,7 @@ def quantize(
             hint="remove it or pick another --out",
         )
     device = device or default_device()
+    cuda_start = None
     if device.startswith("cuda"):
         # what an earlier stage of this process left unreachable (a compare runs many
         # recipes in one process) must not count as this quantize's peak
@@ -579,12 +577,14 @@ def quantize(
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        _START_ALLOCATED[device] = int(torch.cuda.memory_allocated())
+        cuda_start = int(torch.cuda.memory_allocated())
     with library_logs_to_stderr():
-        return _quantize(model_dir, recipe, out_dir, token_sets, device, progress, bare)
+        return _quantize(model_dir, recipe, out_dir, token_sets, device, progress, bare, cuda_start)
 
 
-def _quantize(model_dir, recipe, out_dir, token_sets, device, progress, bare) -> QuantizeResult:
+def _quantize(
+    model_dir, recipe, out_dir, token_sets, device, progress, bare, cuda_start
+) -> QuantizeResult:
     from datasets import Dataset
     from llmcompressor import oneshot
 
@@ -681,7 +681,7 @@ def _quantize(model_dir, recipe, out_dir, token_sets, device, progress, bare) ->
             "kept_modules": len(plan.modules) - len(q),
         }
         seconds = time.perf_counter() - t0
-        peak = _peak_memory(device)
+        peak = _peak_memory(device, cuda_start)
         report["timings"] = {
             "load_and_plan": t_load,
             "oneshot": t_oneshot,

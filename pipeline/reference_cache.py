@@ -20,7 +20,6 @@ runs reference and candidate in lockstep over the full vocabulary instead.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from . import kl_stats
 from .cache import StageCache, canonical_json, stage_key
 from .hashing import hash_files, list_files
+from .progress import Every
 
 STAGE = "reference"
 FILE = "reference.safetensors"
@@ -112,21 +112,15 @@ def get_or_build(
         model = load_model(reference_dir)
         t_load = time.perf_counter() - t0
         parts: dict[str, list[torch.Tensor]] = {}
-        t1 = last = time.perf_counter()
+        t1 = time.perf_counter()
         n = ids.shape[0]
+        bar = Every("qship evaluate: reference", n)
         for s in range(0, n, batch_size):
             logits, nxt = forward(model, ids[s : s + batch_size])
             for k, v in kl_stats.reference_topk(logits, nxt, topk).items():
                 parts.setdefault(k, []).append(v)
             del logits
-            done, now = min(s + batch_size, n), time.perf_counter()
-            if now - last > 10 or done == n:  # a line every 10 s on slow machines
-                last = now
-                print(
-                    f"qship evaluate: reference {done}/{n} sequences ({now - t1:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            bar.step(min(s + batch_size, n))
         t_pass = time.perf_counter() - t1
         del model
         tensors = {k: torch.cat(v).contiguous() for k, v in parts.items()}

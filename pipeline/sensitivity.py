@@ -308,12 +308,8 @@ def run(
             path="--write-recipe" if write_recipe is None else "--max-bits",
             hint="e.g. --max-bits 4.20 --write-recipe recipes/my-sens.yaml",
         )
-    if write_recipe is not None and Path(write_recipe).exists():
-        raise UsageError(
-            f"{write_recipe} exists; qship does not overwrite recipes",
-            path=str(write_recipe),
-            hint="choose a new file name or delete the old one",
-        )
+    if write_recipe is not None:  # before any compute
+        _refuse_overwrite(Path(write_recipe))
     recipe = load_recipe(recipe_path)
     ctx = runner.Context(Path(cache_dir), device=device)
     snap = runner.fetch_stage(model, ctx)
@@ -341,6 +337,15 @@ def run(
     return res
 
 
+def _refuse_overwrite(dest: Path) -> None:
+    if dest.exists():
+        raise UsageError(
+            f"{dest} exists; qship does not overwrite recipes",
+            path=str(dest),
+            hint="choose a new file name or delete the old one",
+        )
+
+
 def write_upgraded_recipe(
     rows: list[dict], model_dir: Path, recipe_path: Path, dest: Path, max_bits: float, model: str
 ) -> dict:
@@ -353,12 +358,7 @@ def write_upgraded_recipe(
     from .plan import plan_for_dir
     from .recipe import load_recipe
 
-    if dest.exists():
-        raise UsageError(
-            f"{dest} exists; qship does not overwrite recipes",
-            path=str(dest),
-            hint="choose a new file name or delete the old one",
-        )
+    _refuse_overwrite(dest)
     recipe = load_recipe(recipe_path)
     plan = plan_for_dir(model_dir, recipe)
     if max_bits < plan.bits_per_weight["quantized"]:
