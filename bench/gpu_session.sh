@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh gemma      # fetch + quantize bench (all recipes, bare) + eval bench
 #   bash bench/gpu_session.sh big        # random Llama-3-8B-shaped model: qship vs bare oneshot
 #   bash bench/gpu_session.sh search     # sensitivity + recipe grid + compare report (bench/recipe_search.py)
+#   bash bench/gpu_session.sh mem        # peak memory by phase + breakdown (issue 3), fused KL cost (issue 4)
 #   bash bench/gpu_session.sh evalbench  # cached vs exact KL, eval throughput, calibration batch vs peak memory
 # .qship-gpu/ comes from `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/*.yaml`.
 set -uo pipefail
@@ -94,6 +95,26 @@ winner)
     python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'fwd',d['forward'],'exact',d['exact'],'top4096',d['cached_top4096'])" "$OUT/evalbench-$3.json"
   done
   ;;
+mem)
+  # issue 3: peak GPU memory of qship's default (batch 16, AWQ cache offloaded) vs the bare
+  # call, by phase, and what is live at the peak; issue 4: the fused KL's cost (interleaved repeats)
+  [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
+  G=$S/gemma-3-270m-q4_k_m.gguf
+  [ -f "$G" ] || cat "$S"/gguf.part0* > "$G"
+  SNAP=$(python3 -m pipeline.cli fetch "$G" --cache-dir "$S/cache" --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['path'])")
+  R=.qship-gpu/recipes
+  python3 bench/quantize_bench.py --model "$SNAP" --device cuda --recipes $R/gemma-mixed-w4.yaml --bare --keep \
+    --work "$S/qm" --out "$OUT/quantize_gemma_mem.json" 2>&1 | grep -E "^==|oneshot |peak|ratio|failed|Error"
+  python3 bench/quantize_bench.py --model "$SNAP" --device cuda --recipes ${BREAKDOWN:-$R/gemma-mixed-w4.yaml $R/gemma-mixed-w4-nooffload.yaml} \
+    --no-kl --memory-breakdown --work "$S/qmb" --out "$OUT/quantize_gemma_breakdown.json" 2>&1 | grep -E "^==|oneshot |peak| MB |failed|Error"
+  TOK=$(ls "$S"/qm/cache/tokens/*/tokens.safetensors "$S"/cache/tokens/*/tokens.safetensors 2>/dev/null | head -1)
+  [ "${EVAL:-1}" = 1 ] || exit 0
+  for kd in "float64 128 f64" "float64 1024 fused64 --fused" "float32 1024 fused32 --fused"; do set -- $kd
+    python3 bench/eval_bench.py --reference "$SNAP" --candidate "$S/qm/gemma-mixed-w4--qship" --ids "$TOK" --sequences 32 --seq-len 512 \
+      --batch-size 8 --topk 4096 --device cuda --kl-dtype $1 --chunk $2 ${4:-} --repeat 5 --json "$OUT/evalbench-$3.json" > "$OUT/evalbench-$3.log" 2>&1
+    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'fwd',d['forward'],'exact',d['exact'])" "$OUT/evalbench-$3.json" || tail -5 "$OUT/evalbench-$3.log"
+  done
+  ;;
 eval)
   SNAP=$(python3 -c "import json;print(json.load(open('$S/cache/fetch.json')))" 2>/dev/null)
   SNAP=$(ls -d "$S"/cache/fetch/*/snapshot | head -1)
@@ -103,7 +124,8 @@ eval)
 big)
   M=$S/llama8b
   [ -f "$M/config.json" ] || python3 bench/make_random_llama.py "$M" || exit 1
-  python3 bench/quantize_bench.py --model "$M" --device cuda --work "$S/qwork8b" --bare-only --no-kl \
+  RC=recipes/gemma-mixed-w4.yaml; [ -f .qship-gpu/recipes/gemma-mixed-w4.yaml ] && RC=.qship-gpu/recipes/gemma-mixed-w4.yaml
+  python3 bench/quantize_bench.py --model "$M" --device cuda --work "$S/qwork8b" --bare-only --no-kl --recipes $RC ${BATCH:+--batch-size $BATCH} \
     --out "$OUT/quantize_8b.json" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/quantize_8b.log" | grep -E "^==|oneshot|ratio|failed|Error|error"
   ;;
 esac

@@ -20,6 +20,7 @@ Runs without qship being installed (the repo root is put on sys.path).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -101,9 +102,21 @@ def run_one(args) -> dict:
     out = Path(args.work) / f"{r.name}--{args.mode}"
     if out.exists():
         shutil.rmtree(out)
+    breakdown = None
+    if args.memory_breakdown and torch.cuda.is_available():
+        sys.path.insert(0, str(ROOT / "bench"))
+        import cuda_peak
+
+        rec_ctx = cuda_peak.recording()
+    else:
+        rec_ctx = contextlib.nullcontext()
     t0 = time.perf_counter()
-    res = quantize(model, r, out, token_sets=ts, device=args.device, bare=args.mode == "bare")
+    with rec_ctx:
+        res = quantize(model, r, out, token_sets=ts, device=args.device, bare=args.mode == "bare")
     wall = time.perf_counter() - t0
+    if args.memory_breakdown and torch.cuda.is_available():
+        breakdown = cuda_peak.breakdown()
+        print(cuda_peak.breakdown_text(breakdown), file=sys.stderr)
     rep = res.report
     row = {
         "recipe": r.name,
@@ -117,8 +130,16 @@ def run_one(args) -> dict:
         "layers_s": [x["seconds"] for x in rep["layers"]],
         "peak_rss_bytes": rep["peak_memory"].get("peak_rss_bytes"),
         "cuda_max_allocated_bytes": rep["peak_memory"].get("cuda_max_allocated_bytes"),
+        # per phase (oneshot = what the bare call is compared on; save; verify = reload
+        # check) and the running peak after each layer of the sequential pass
+        "cuda_phase_peak_bytes": {
+            k: v["max_allocated_bytes"]
+            for k, v in (rep["peak_memory"].get("cuda_phases") or {}).items()
+        },
+        "cuda_layer_peak_bytes": [x.get("cuda_max_allocated_bytes") for x in rep["layers"]],
         "bits_per_weight": rep["checkpoint"]["bits_per_weight_quantized"],
         "checkpoint_bytes": rep["checkpoint"]["bytes"],
+        "cuda_peak_breakdown": breakdown,
         "awq_mean_loss_reduction": (
             sum(a["loss_reduction"] for a in rep["awq"]) / len(rep["awq"]) if rep["awq"] else None
         ),
@@ -154,6 +175,10 @@ def main() -> int:
     ap.add_argument("--eval-seq-len", type=int, default=None)
     ap.add_argument("--kl-batch", type=int, default=4)
     ap.add_argument("--no-kl", action="store_true", help="skip the KL measurement")
+    ap.add_argument(
+        "--memory-breakdown", action="store_true",
+        help="CUDA: record the allocator history and list what is live at the peak (slower)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--keep", action="store_true", help="keep the quantized checkpoints")
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
@@ -190,7 +215,7 @@ def main() -> int:
         v = getattr(args, flag)
         if v is not None:
             passthrough += [f"--{flag.replace('_', '-')}", str(v)]
-    for flag in ("no_kl", "keep"):
+    for flag in ("no_kl", "keep", "memory_breakdown"):
         if getattr(args, flag):
             passthrough.append(f"--{flag.replace('_', '-')}")
     rows = []
@@ -232,6 +257,10 @@ def main() -> int:
         row["process_s"] = time.perf_counter() - t0
         rows.append(row)
         kl = f", mean KL {row['kl_mean']:.4f}" if "kl_mean" in row else ""
+        if row.get("cuda_phase_peak_bytes"):
+            kl += ", peak CUDA " + ", ".join(
+                f"{k} {v / 1e9:.3f} GB" for k, v in row["cuda_phase_peak_bytes"].items()
+            )
         print(
             f"   oneshot {row['oneshot_s']:.1f} s, total {row['wall_s']:.1f} s, peak RSS "
             f"{row['peak_rss_bytes'] / 2**30:.2f} GiB, {row['bits_per_weight']:.3f} bits/weight{kl}",
@@ -260,6 +289,18 @@ def main() -> int:
             "mixed_wall_ratio_qship_over_bare": q["wall_s"] / b["wall_s"],
             "target": "<= 0.5 at equal quality",
         }
+        qp, bp = q.get("cuda_phase_peak_bytes") or {}, b.get("cuda_phase_peak_bytes") or {}
+        if "oneshot" in qp and "oneshot" in bp:
+            summary["oneshot_peak_ratio_qship_over_bare"] = qp["oneshot"] / bp["oneshot"]
+            summary["peak_ratio_qship_over_bare"] = (
+                q["cuda_max_allocated_bytes"] / b["cuda_max_allocated_bytes"]
+            )
+            print(
+                "qship / bare peak CUDA allocated: oneshot "
+                f"{summary['oneshot_peak_ratio_qship_over_bare']:.4f}, whole quantize "
+                f"{summary['peak_ratio_qship_over_bare']:.4f}",
+                file=sys.stderr,
+            )
         if "kl_mean" in q and "kl_mean" in b:
             summary["kl_mean_qship"] = q["kl_mean"]
             summary["kl_mean_bare"] = b["kl_mean"]

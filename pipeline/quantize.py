@@ -16,6 +16,7 @@ the output dir is built with fsutil.atomic_dir so a failure leaves nothing behin
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import resource
 import shutil
@@ -100,8 +101,9 @@ def qargs(scheme: dict, *, actorder: str | None = None) -> dict:
     return d
 
 
-def build_modifiers(plan: Plan, recipe: Recipe) -> list:
-    """The llm-compressor modifiers for this plan (see the module docstring)."""
+def build_modifiers(plan: Plan, recipe: Recipe, *, device: str = "cpu", bare: bool = False) -> list:
+    """The llm-compressor modifiers for this plan (see the module docstring), to run on
+    `device`. `bare` leaves what the recipe does not say at llm-compressor's defaults."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -134,6 +136,13 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list:
             kw["n_grid"] = opts.n_grid
         if opts.duo_scaling is not None:
             kw["duo_scaling"] = opts.duo_scaling
+        # AWQ caches every batch's layer inputs (and attention masks) for its grid search;
+        # in CPU memory they keep the GPU peak at or below llm-compressor's batch-1 default
+        offload = opts.offload_cache
+        if offload is None:
+            offload = not bare and not device.startswith("cpu")
+        if offload:
+            kw["offload_device"] = torch.device("cpu")
         if maps:
             mods.append(AWQModifier(**kw))
 
@@ -206,6 +215,39 @@ def cpu_pin_memory_fix():
 
     with _patched(IntermediatesCache, "pin_memory", _no_pin):
         yield True
+
+
+@contextlib.contextmanager
+def awq_keep_first_output():
+    """AWQ's grid search runs each smoothing parent (the attention block) over every cached
+    batch and keeps the outputs; llm-compressor calibrates under eager attention, whose
+    block returns (output, attention weights), and the weights of every batch stay alive
+    until the list is built: 268 MB at Gemma 3 270M's peak, 2 GB for an 8B (measured,
+    bench/RESULTS.md). Inside this block each parent returns only its output tensor, which
+    is all AWQ uses."""
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    orig = AWQModifier.__dict__["_run_samples"]
+
+    def run_samples(self, module):
+        had = "forward" in module.__dict__
+        fwd = module.forward
+
+        def first_output(*args, **kwargs):
+            out = fwd(*args, **kwargs)
+            return out[0] if isinstance(out, tuple) else out
+
+        module.forward = first_output
+        try:
+            return orig(self, module)
+        finally:
+            if had:
+                module.forward = fwd
+            else:
+                del module.forward
+
+    with _patched(AWQModifier, "_run_samples", run_samples):
+        yield
 
 
 @contextlib.contextmanager
@@ -521,12 +563,39 @@ def _first_nonfinite_module(model, ids) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def _peak_memory(device: str, cuda_start: int | None) -> dict:
+def _cuda_phase_peak(device: str) -> dict | None:
+    """Peak CUDA allocation since the last call (then the counter starts again)."""
+    if not (device.startswith("cuda") and torch.cuda.is_available()):
+        return None
+    out = {
+        "max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+        "max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+    }
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def _release_llmcompressor_session() -> None:
+    """llm-compressor's global session keeps the calibrated model (and its modifiers)
+    alive after oneshot returns; reset it so the memory can be freed."""
+    try:
+        from llmcompressor.core import active_session
+
+        active_session().reset()
+    except Exception:  # noqa: BLE001 - only memory is at stake, never the result
+        pass
+
+
+def _peak_memory(device: str, cuda_start: int | None, phases: dict | None = None) -> dict:
+    """Peak RSS; on CUDA the peak of the whole quantize (the largest of its phases:
+    oneshot = calibration + compression, save, verify = reload check) and each phase's."""
     out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        out["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
-        out["cuda_max_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
-        # live before this quantize started (included in the peak above)
+    phases = {k: v for k, v in (phases or {}).items() if v}
+    if phases:
+        out["cuda_max_allocated_bytes"] = max(v["max_allocated_bytes"] for v in phases.values())
+        out["cuda_max_reserved_bytes"] = max(v["max_reserved_bytes"] for v in phases.values())
+        out["cuda_phases"] = phases
+        # live before this quantize started (included in the peaks above)
         out["cuda_allocated_at_start_bytes"] = cuda_start
     return out
 
@@ -572,8 +641,6 @@ def quantize(
     if device.startswith("cuda"):
         # what an earlier stage of this process left unreachable (a compare runs many
         # recipes in one process) must not count as this quantize's peak
-        import gc
-
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -591,7 +658,7 @@ def _quantize(
     t0 = time.perf_counter()
     model, tok = load_model(model_dir, recipe, device)
     plan = build_plan(model, recipe)
-    modifiers = build_modifiers(plan, recipe)
+    modifiers = build_modifiers(plan, recipe, device=device, bare=bare)
     t_load = time.perf_counter() - t0
     _log(
         f"{plan.architecture}: {len(plan.modules)} Linear modules, "
@@ -635,7 +702,12 @@ def _quantize(
         "modifiers": [type(m).__name__ for m in modifiers],
     }
     t1 = time.perf_counter()
-    with cpu_pin_memory_fix() as patched, capture_metrics(model, plan, report, progress=progress):
+    lean = contextlib.nullcontext() if bare else awq_keep_first_output()
+    with (
+        cpu_pin_memory_fix() as patched,
+        lean,
+        capture_metrics(model, plan, report, progress=progress),
+    ):
         report["cpu_pin_memory_patch"] = patched
         try:
             model = oneshot(**kwargs) or model
@@ -644,6 +716,7 @@ def _quantize(
                 f"llm-compressor oneshot failed: {type(e).__name__}: {e}", path=str(model_dir)
             ) from e
     t_oneshot = time.perf_counter() - t1
+    phases = {"oneshot": _cuda_phase_peak(device)}
     _log(f"oneshot done in {t_oneshot:.1f} s; saving compressed")
 
     with atomic_dir(out_dir) as tmp:
@@ -660,7 +733,14 @@ def _quantize(
         if (tmp / "recipe.yaml").is_file():
             (tmp / "recipe.yaml").rename(tmp / "llmcompressor_recipe.yaml")
         t_save = time.perf_counter() - t2
+        phases["save"] = _cuda_phase_peak(device)
+        # the reload check needs only the saved files: drop every reference to the calibrated
+        # model first (ours, oneshot's kwargs, llm-compressor's session), so it is not
+        # resident beside the reloaded one
         del model
+        kwargs.clear()
+        _release_llmcompressor_session()
+        gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         from .plan import load_meta_model
@@ -680,8 +760,9 @@ def _quantize(
             "quantized_modules": len(q),
             "kept_modules": len(plan.modules) - len(q),
         }
+        phases["verify"] = _cuda_phase_peak(device)
         seconds = time.perf_counter() - t0
-        peak = _peak_memory(device, cuda_start)
+        peak = _peak_memory(device, cuda_start, phases)
         report["timings"] = {
             "load_and_plan": t_load,
             "oneshot": t_oneshot,

@@ -36,7 +36,7 @@ Method = Literal["awq", "gptq", "rtn", "none"]
 DType = Literal["bfloat16", "float16", "float32"]
 
 _GPTQ_OPTIONS = {"dampening_frac", "actorder", "block_size"}
-_AWQ_OPTIONS = {"n_grid", "duo_scaling"}
+_AWQ_OPTIONS = {"n_grid", "duo_scaling", "offload_cache"}
 
 
 class _Strict(BaseModel):
@@ -75,13 +75,16 @@ class Scheme(_Strict):
 
 
 class Options(_Strict):
-    """Method options. GPTQ: dampening_frac, actorder, block_size. AWQ: n_grid, duo_scaling."""
+    """Method options. GPTQ: dampening_frac, actorder, block_size. AWQ: n_grid, duo_scaling,
+    offload_cache (keep AWQ's cached layer inputs in CPU memory instead of on the GPU: lower
+    peak GPU memory for a little time; null = qship's default, on)."""
 
     dampening_frac: float | None = Field(default=None, gt=0, lt=1)
     actorder: Literal["static", "group", "weight"] | None = None
     block_size: int | None = Field(default=None, gt=0)
     n_grid: int | None = Field(default=None, gt=0)
     duo_scaling: bool | Literal["both"] | None = None
+    offload_cache: bool | None = None
 
     def given(self) -> set[str]:
         return {k for k, v in self.model_dump().items() if v is not None}

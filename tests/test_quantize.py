@@ -275,3 +275,77 @@ def test_mse_observer_is_used_and_recorded(tiny_gemma, quantized, tokens, work):
         safe_open(str(base / "model.safetensors"), "pt") as b,
     ):
         assert not torch.equal(a.get_tensor(key), b.get_tensor(key))
+
+
+def test_calibrated_model_is_released_after_quantize(tiny_gemma, quantized):
+    """llm-compressor's session must not keep the calibrated model alive into the reload
+    check (it would sit beside the reloaded checkpoint at the stage's memory peak)."""
+    from llmcompressor.core import active_session
+
+    quantized(tiny_gemma, "gemma-mixed-w4")
+    assert active_session().state.model is None
+
+
+def test_awq_grid_search_drops_attention_weights_per_batch():
+    """Inside awq_keep_first_output, AWQ's _run_samples keeps only each batch's output: the
+    second element of the parent's tuple (eager attention weights) is freed before the next
+    batch runs, and the parent's forward is restored afterwards."""
+    import weakref
+
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    from pipeline.quantize import awq_keep_first_output
+
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen_alive: list[bool] = []
+            self.extra: list[weakref.ref] = []
+
+        def forward(self, x):
+            self.seen_alive.append(any(r() is not None for r in self.extra))
+            w = torch.ones(64, 64)
+            self.extra.append(weakref.ref(w))
+            return x * 2, w
+
+    parent = Parent()
+    mod = AWQModifier(mappings=[])
+    batches = [{"x": torch.full((2, 3), float(i))} for i in range(4)]
+    mod._parent_args_cache[parent] = batches
+    with awq_keep_first_output():
+        outs = mod._run_samples(parent)
+    assert [o.tolist() for o in outs] == [(b["x"] * 2).tolist() for b in batches]
+    assert parent.seen_alive == [False] * 4
+    assert "forward" not in parent.__dict__  # the class's forward is back
+    # without the patch the library keeps them all (what the patch is for)
+    parent.seen_alive.clear(), parent.extra.clear()
+    mod._run_samples(parent)
+    assert parent.seen_alive == [False, True, True, True]
+
+
+def test_awq_cache_offload_default_and_override(tiny_gemma):
+    """On a GPU qship's default keeps AWQ's calibration cache in CPU memory; offload_cache:
+    false and bare mode (llm-compressor's defaults) leave it on the execution device."""
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    from pipeline.plan import build_plan
+    from pipeline.quantize import build_modifiers
+
+    meta = load_meta_model(tiny_gemma)
+
+    def awq_offload(recipe, **kw):
+        plan = build_plan(meta, recipe)
+        return [  # True: cached in CPU memory
+            isinstance(m.offload_device, torch.device) and m.offload_device.type == "cpu"
+            for m in build_modifiers(plan, recipe, **kw)
+            if isinstance(m, AWQModifier)
+        ]
+
+    r = load_recipe(R / "gemma-mixed-w4.yaml")
+    assert awq_offload(r, device="cuda") == [True]
+    assert awq_offload(r, device="cuda", bare=True) == [False]
+    assert awq_offload(r, device="cpu") == [False]  # already in CPU memory
+    r.groups[0].options.offload_cache = False
+    assert awq_offload(r, device="cuda") == [False]
+    r.groups[0].options.offload_cache = True
+    assert awq_offload(r, device="cpu") == [True]

@@ -102,6 +102,11 @@ def test_hash_is_of_resolved_recipe(tmp_path):
             "groups[0]",
             "do not apply",
         ),
+        (  # groups[1] is the GPTQ group: AWQ's cache option does not apply to it
+            lambda d: d["groups"][1]["options"].update(offload_cache=True),
+            "groups[1]",
+            "do not apply",
+        ),
         (lambda d: d.update(kv_cache={"scheme": "int8"}), "kv_cache.scheme", "allowed values"),
         (lambda d: d.update(dtype="fp16"), "dtype", "allowed values"),
         (lambda d: d["calibration"].update(num_samples=0), "calibration.num_samples", "correct"),
