@@ -7,7 +7,8 @@
 #   bash bench/gpu_session.sh gemma      # fetch + quantize bench (all recipes, bare) + eval bench
 #   bash bench/gpu_session.sh big        # random Llama-3-8B-shaped model: qship vs bare oneshot
 #   bash bench/gpu_session.sh search     # sensitivity + recipe grid + compare report (bench/recipe_search.py)
-#   bash bench/gpu_session.sh mem        # peak memory by phase + breakdown (issue 3), fused KL cost (issue 4)
+#   bash bench/gpu_session.sh q8b        # 8B dims: qship (AWQ cache on GPU / offloaded) vs bare, time and peak by phase
+#   bash bench/gpu_session.sh g270       # the same on Gemma 3 270M with mean KL; qship evaluate --exact
 #   bash bench/gpu_session.sh evalbench  # cached vs exact KL, eval throughput, calibration batch vs peak memory
 # .qship-gpu/ comes from `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/*.yaml`.
 set -uo pipefail
@@ -15,6 +16,21 @@ S=/root/stash
 mkdir -p "$S" "${OUT:-/tmp/out}"
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+quantize_variants() {  # MODEL RECIPE TAG [quantize_bench flags...]
+  local m=$1 r=$2 tag=$3 v x; shift 3
+  [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
+  for v in ${VARIANTS:-off on bare}; do
+    case $v in
+      bare) x="--bare-only --skip-qship" ;;
+      bd-*) x="--awq-offload ${v#bd-} --memory-breakdown" ;;
+      *) x="--awq-offload $v" ;;
+    esac
+    timeout "${T:-400}" python3 bench/quantize_bench.py --model "$m" --device cuda --work "$S/$tag" --recipes "$r" $x "$@" \
+      --out "$OUT/$tag-$v.json" 2>&1 | grep -v "Warning\|warn(" > "$S/$tag-$v.log"
+    grep -E "^==|^\[|oneshot |failed|Error| MB  |    [a-z_]+/" "$S/$tag-$v.log" | head -80
+  done
+}
+
 case "$1" in
 stage)
   if [ -d .whl ] && [ ! -f "$S/site.ok" ]; then
@@ -95,25 +111,29 @@ winner)
     python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'fwd',d['forward'],'exact',d['exact'],'top4096',d['cached_top4096'])" "$OUT/evalbench-$3.json"
   done
   ;;
-mem)
-  # issue 3: peak GPU memory of qship's default (batch 16, AWQ cache offloaded) vs the bare
-  # call, by phase, and what is live at the peak; issue 4: the fused KL's cost (interleaved repeats)
-  [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
+q8b)
+  # issue 3 on the random Llama-3-8B-shaped model, one process per run (VARIANTS):
+  # off/on = qship with AWQ's cache on the GPU / in CPU memory, bare = llm-compressor's
+  # defaults, bd-off/bd-on = the same qship runs with the allocator history (what is live
+  # at each phase's peak; slower, so not timed)
+  M=$S/llama8b
+  [ -f "$M/config.json" ] || python3 bench/make_random_llama.py "$M" || exit 1
+  quantize_variants "$M" .qship-gpu/recipes/gemma-mixed-w4.yaml q8b --no-kl
+  ;;
+g270)
+  # the same on Gemma 3 270M (mean KL measured too), then qship evaluate --exact on the GPU
   G=$S/gemma-3-270m-q4_k_m.gguf
-  [ -f "$G" ] || cat "$S"/gguf.part0* > "$G"
+  [ -f "$G" ] || cat "$S"/gguf.part* > "$G"
+  sha256sum "$G"
   SNAP=$(python3 -m pipeline.cli fetch "$G" --cache-dir "$S/cache" --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['path'])")
-  R=.qship-gpu/recipes
-  python3 bench/quantize_bench.py --model "$SNAP" --device cuda --recipes $R/gemma-mixed-w4.yaml --bare --keep \
-    --work "$S/qm" --out "$OUT/quantize_gemma_mem.json" 2>&1 | grep -E "^==|oneshot |peak|ratio|failed|Error"
-  python3 bench/quantize_bench.py --model "$SNAP" --device cuda --recipes ${BREAKDOWN:-$R/gemma-mixed-w4.yaml $R/gemma-mixed-w4-nooffload.yaml} \
-    --no-kl --memory-breakdown --work "$S/qmb" --out "$OUT/quantize_gemma_breakdown.json" 2>&1 | grep -E "^==|oneshot |peak| MB |failed|Error"
-  TOK=$(ls "$S"/qm/cache/tokens/*/tokens.safetensors "$S"/cache/tokens/*/tokens.safetensors 2>/dev/null | head -1)
+  R=.qship-gpu/recipes/gemma-mixed-w4.yaml
+  quantize_variants "$SNAP" $R qg --keep
   [ "${EVAL:-1}" = 1 ] || exit 0
-  for kd in "float64 128 f64" "float64 1024 fused64 --fused" "float32 1024 fused32 --fused"; do set -- $kd
-    python3 bench/eval_bench.py --reference "$SNAP" --candidate "$S/qm/gemma-mixed-w4--qship" --ids "$TOK" --sequences 32 --seq-len 512 \
-      --batch-size 8 --topk 4096 --device cuda --kl-dtype $1 --chunk $2 ${4:-} --repeat 5 --json "$OUT/evalbench-$3.json" > "$OUT/evalbench-$3.log" 2>&1
-    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[1],'fwd',d['forward'],'exact',d['exact'])" "$OUT/evalbench-$3.json" || tail -5 "$OUT/evalbench-$3.log"
-  done
+  CAND=$(ls -d "$S"/qg/gemma-mixed-w4--qship | head -1)
+  python3 -m pipeline.cli evaluate --reference "$SNAP" --candidate "$CAND" --recipe $R --cache-dir "$S/cache" \
+    --out "$S/eval-exact" --exact --json > /dev/null 2> "$S/eval-exact.log" || tail -20 "$S/eval-exact.log"
+  cp "$S/eval-exact/eval.json" "$OUT/eval-exact.json" && grep -i "note:" "$S/eval-exact.log"
+  python3 -c "import json,sys;d=json.load(open(sys.argv[1]));m=d['metrics'];print('exact',round(m['kl']['mean'],5),d['timings'])" "$OUT/eval-exact.json"
   ;;
 eval)
   SNAP=$(python3 -c "import json;print(json.load(open('$S/cache/fetch.json')))" 2>/dev/null)

@@ -94,6 +94,10 @@ def run_one(args) -> dict:
         r.evaluation.sequences = args.eval_sequences
     if args.eval_seq_len:
         r.evaluation.seq_len = args.eval_seq_len
+    if args.awq_offload and args.mode != "bare":
+        for g in r.groups:
+            if g.method == "awq":
+                g.options.offload_cache = args.awq_offload == "on"
     if args.threads:
         torch.set_num_threads(args.threads)
     model = Path(args.model)
@@ -124,6 +128,7 @@ def run_one(args) -> dict:
         "device": rep["device"],
         "calibration": f"{r.calibration.num_samples}x{r.calibration.seq_len}",
         "batch_size": 1 if args.mode == "bare" else r.calibration.batch_size,
+        "awq_offload_cache": [g.options.offload_cache for g in r.groups if g.method == "awq"],
         "wall_s": wall,
         "oneshot_s": rep["timings"]["oneshot"],
         "save_s": rep["timings"]["save"],
@@ -164,6 +169,9 @@ def main() -> int:
     ap.add_argument(
         "--bare-only", action="store_true", help="only the qship-vs-bare pair for the mixed recipe"
     )
+    ap.add_argument(
+        "--skip-qship", action="store_true", help="with --bare(-only): the bare run alone"
+    )
     ap.add_argument("--out", default="quantize_bench.json")
     ap.add_argument("--device", default=None, help="cuda / cpu (default: GPU if present)")
     ap.add_argument("--num-samples", type=int, default=None)
@@ -201,12 +209,15 @@ def main() -> int:
     )
     if args.bare and not args.bare_only:
         runs.append((mixed, "bare"))
+    if args.skip_qship:  # e.g. the bare run alone, in its own process and time limit
+        runs = [run for run in runs if run[1] != "qship"]
     passthrough = []
     for flag in (
         "device",
         "num_samples",
         "seq_len",
         "batch_size",
+        "awq_offload",
         "eval_sequences",
         "eval_seq_len",
         "kl_batch",

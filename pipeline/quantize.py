@@ -218,36 +218,47 @@ def cpu_pin_memory_fix():
 
 
 @contextlib.contextmanager
-def awq_keep_first_output():
-    """AWQ's grid search runs each smoothing parent (the attention block) over every cached
-    batch and keeps the outputs; llm-compressor calibrates under eager attention, whose
-    block returns (output, attention weights), and the weights of every batch stay alive
-    until the list is built: 268 MB at Gemma 3 270M's peak, 2 GB for an 8B (measured,
-    bench/RESULTS.md). Inside this block each parent returns only its output tensor, which
-    is all AWQ uses."""
+def awq_lean_grid_search():
+    """AWQ's grid search with less alive at once; the same scales (tests/test_quantize.py).
+
+    For each smoothing parent (the attention block) llm-compressor 0.14 runs the parent over
+    every cached batch once unquantized and once per grid point, and keeps whole lists:
+    1. under the eager attention it calibrates with, each output is the tuple (output,
+       attention weights) and every batch's tuple lives until the list is built (268 MB at
+       Gemma 3 270M's peak): here each output is cut to its first element as it is made;
+    2. each grid point's quantized outputs are all built before `_compute_loss` compares
+       them batch by batch with the unquantized ones (one full copy of the parent's output,
+       537 MB for an 8B at 128 x 512 tokens): here, inside `_compute_best_scale`, they are
+       made lazily, so the loss consumes each batch before the next exists.
+    """
+    from llmcompressor.core import active_session
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    orig = AWQModifier.__dict__["_run_samples"]
+    grid = AWQModifier.__dict__["_compute_best_scale"]
+    in_grid = [0]
 
     def run_samples(self, module):
-        had = "forward" in module.__dict__
-        fwd = module.forward
+        cache = self._parent_args_cache[module]
+        batches = cache.iter_prefetch() if active_session().state.sequential_prefetch else cache
+        outs = (_first_output(module(**batch)) for batch in batches)
+        return outs if in_grid[0] else list(outs)
 
-        def first_output(*args, **kwargs):
-            out = fwd(*args, **kwargs)
-            return out[0] if isinstance(out, tuple) else out
-
-        module.forward = first_output
+    def compute_best_scale(self, *args, **kwargs):
+        in_grid[0] += 1
         try:
-            return orig(self, module)
+            return grid(self, *args, **kwargs)
         finally:
-            if had:
-                module.forward = fwd
-            else:
-                del module.forward
+            in_grid[0] -= 1
 
-    with _patched(AWQModifier, "_run_samples", run_samples):
+    with (
+        _patched(AWQModifier, "_run_samples", run_samples),
+        _patched(AWQModifier, "_compute_best_scale", compute_best_scale),
+    ):
         yield
+
+
+def _first_output(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
 @contextlib.contextmanager
@@ -702,7 +713,7 @@ def _quantize(
         "modifiers": [type(m).__name__ for m in modifiers],
     }
     t1 = time.perf_counter()
-    lean = contextlib.nullcontext() if bare else awq_keep_first_output()
+    lean = contextlib.nullcontext() if bare else awq_lean_grid_search()
     with (
         cpu_pin_memory_fix() as patched,
         lean,

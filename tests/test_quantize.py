@@ -7,6 +7,7 @@ with torch directly (it does not use pipeline.evaluate).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -287,14 +288,14 @@ def test_calibrated_model_is_released_after_quantize(tiny_gemma, quantized):
 
 
 def test_awq_grid_search_drops_attention_weights_per_batch():
-    """Inside awq_keep_first_output, AWQ's _run_samples keeps only each batch's output: the
+    """Inside awq_lean_grid_search, AWQ's _run_samples keeps only each batch's output: the
     second element of the parent's tuple (eager attention weights) is freed before the next
-    batch runs, and the parent's forward is restored afterwards."""
+    batch runs, and the parent's forward is untouched."""
     import weakref
 
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    from pipeline.quantize import awq_keep_first_output
+    from pipeline.quantize import awq_lean_grid_search
 
     class Parent(torch.nn.Module):
         def __init__(self):
@@ -312,15 +313,64 @@ def test_awq_grid_search_drops_attention_weights_per_batch():
     mod = AWQModifier(mappings=[])
     batches = [{"x": torch.full((2, 3), float(i))} for i in range(4)]
     mod._parent_args_cache[parent] = batches
-    with awq_keep_first_output():
+    with awq_lean_grid_search():
         outs = mod._run_samples(parent)
     assert [o.tolist() for o in outs] == [(b["x"] * 2).tolist() for b in batches]
     assert parent.seen_alive == [False] * 4
-    assert "forward" not in parent.__dict__  # the class's forward is back
+    assert "forward" not in parent.__dict__
     # without the patch the library keeps them all (what the patch is for)
     parent.seen_alive.clear(), parent.extra.clear()
     mod._run_samples(parent)
     assert parent.seen_alive == [False, True, True, True]
+
+
+def test_awq_grid_search_streams_quantized_outputs(tiny_gemma, tokens, work, monkeypatch):
+    """The real AWQ grid search on the tiny Gemma, 8 calibration batches: with qship's patch
+    at most the unquantized outputs + 3 quantized batches of each attention block are alive
+    at once (without it, both full sets: 2 x 8), and the checkpoint is the same bytes. Three,
+    not one: `_compute_loss` iterates `enumerate(zip(...))`, and CPython's zip still holds
+    the batch before last in its recycled result tuple while the next batch is made."""
+    import weakref
+
+    import pipeline.quantize as q
+
+    r = _small("gemma-mixed-w4")
+    r.calibration.batch_size = 2  # 16 samples -> 8 batches
+    ts = tokens(tiny_gemma, r)
+    n_batches = r.calibration.num_samples // r.calibration.batch_size
+
+    def run(name: str) -> tuple[int, dict]:
+        alive: list[weakref.ref] = []
+        peak = [0]
+
+        def hook(_m, _i, out):
+            t = out[0] if isinstance(out, tuple) else out
+            alive.append(weakref.ref(t))
+            peak[0] = max(peak[0], sum(x() is not None for x in alive))
+
+        from transformers.models.gemma3 import modeling_gemma3
+
+        orig_init = modeling_gemma3.Gemma3Attention.__init__
+
+        def init(self, *a, **kw):
+            orig_init(self, *a, **kw)
+            self.register_forward_hook(hook)
+
+        with monkeypatch.context() as m:
+            m.setattr(modeling_gemma3.Gemma3Attention, "__init__", init)
+            res = quantize(tiny_gemma, r, work / name, token_sets=ts, device="cpu")
+        with safe_open(str(res.path / "model.safetensors"), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        return peak[0], tensors
+
+    lean_peak, lean = run("stream-lean")
+    monkeypatch.setattr(q, "awq_lean_grid_search", contextlib.nullcontext)
+    lib_peak, lib = run("stream-library")
+    assert lib_peak == 2 * n_batches  # what the library keeps: the test can see it
+    assert lean_peak <= n_batches + 3
+    assert lean.keys() == lib.keys()
+    for k in lean:
+        assert torch.equal(lean[k], lib[k]), k
 
 
 def test_awq_cache_offload_default_and_override(tiny_gemma):
