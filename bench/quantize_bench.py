@@ -179,6 +179,10 @@ def main() -> int:
     ap.add_argument(
         "--batch-size", type=int, default=None, help="qship runs' calibration batch size"
     )
+    ap.add_argument(
+        "--awq-offload", choices=["on", "off"], default=None,
+        help="qship runs: AWQ's calibration cache in CPU memory or not (default: the recipe's)",
+    )  # fmt: skip
     ap.add_argument("--eval-sequences", type=int, default=None)
     ap.add_argument("--eval-seq-len", type=int, default=None)
     ap.add_argument("--kl-batch", type=int, default=4)

@@ -101,9 +101,8 @@ def qargs(scheme: dict, *, actorder: str | None = None) -> dict:
     return d
 
 
-def build_modifiers(plan: Plan, recipe: Recipe, *, device: str = "cpu", bare: bool = False) -> list:
-    """The llm-compressor modifiers for this plan (see the module docstring), to run on
-    `device`. `bare` leaves what the recipe does not say at llm-compressor's defaults."""
+def build_modifiers(plan: Plan, recipe: Recipe) -> list:
+    """The llm-compressor modifiers for this plan (see the module docstring)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -136,13 +135,10 @@ def build_modifiers(plan: Plan, recipe: Recipe, *, device: str = "cpu", bare: bo
             kw["n_grid"] = opts.n_grid
         if opts.duo_scaling is not None:
             kw["duo_scaling"] = opts.duo_scaling
-        # AWQ caches every batch's layer inputs (and attention masks) for its grid search;
-        # in CPU memory they keep the GPU peak at or below llm-compressor's batch-1 default
-        offload = opts.offload_cache
-        if offload is None:
-            offload = not bare and not device.startswith("cpu")
-        if offload:
-            kw["offload_device"] = torch.device("cpu")
+        # AWQ caches every batch's layer inputs for its grid search; in CPU memory they cost
+        # a transfer per grid point (+24 % time on an 8B for 0.3 GB less peak GPU memory)
+        if opts.offload_cache is not None:
+            kw["offload_device"] = torch.device("cpu") if opts.offload_cache else None
         if maps:
             mods.append(AWQModifier(**kw))
 
@@ -669,7 +665,7 @@ def _quantize(
     t0 = time.perf_counter()
     model, tok = load_model(model_dir, recipe, device)
     plan = build_plan(model, recipe)
-    modifiers = build_modifiers(plan, recipe, device=device, bare=bare)
+    modifiers = build_modifiers(plan, recipe)
     t_load = time.perf_counter() - t0
     _log(
         f"{plan.architecture}: {len(plan.modules)} Linear modules, "

@@ -76,8 +76,8 @@ class Scheme(_Strict):
 
 class Options(_Strict):
     """Method options. GPTQ: dampening_frac, actorder, block_size. AWQ: n_grid, duo_scaling,
-    offload_cache (keep AWQ's cached layer inputs in CPU memory instead of on the GPU: lower
-    peak GPU memory for a little time; null = qship's default, on)."""
+    offload_cache (true: AWQ's cached layer inputs in CPU memory instead of on the GPU, 0.3 GB
+    lower peak on an 8B for +24 % time; false: on the GPU; null: llm-compressor's default)."""
 
     dampening_frac: float | None = Field(default=None, gt=0, lt=1)
     actorder: Literal["static", "group", "weight"] | None = None

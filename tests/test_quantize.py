@@ -373,9 +373,10 @@ def test_awq_grid_search_streams_quantized_outputs(tiny_gemma, tokens, work, mon
         assert torch.equal(lean[k], lib[k]), k
 
 
-def test_awq_cache_offload_default_and_override(tiny_gemma):
-    """On a GPU qship's default keeps AWQ's calibration cache in CPU memory; offload_cache:
-    false and bare mode (llm-compressor's defaults) leave it on the execution device."""
+def test_awq_cache_offload_option(tiny_gemma):
+    """offload_cache: true keeps AWQ's calibration cache in CPU memory, false on the
+    execution device, null leaves llm-compressor's default (on the device for a dense
+    model): the default recipe measured best that way (bench/RESULTS.md)."""
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
     from pipeline.plan import build_plan
@@ -383,19 +384,17 @@ def test_awq_cache_offload_default_and_override(tiny_gemma):
 
     meta = load_meta_model(tiny_gemma)
 
-    def awq_offload(recipe, **kw):
+    def awq_offload(recipe):
         plan = build_plan(meta, recipe)
-        return [  # True: cached in CPU memory
-            isinstance(m.offload_device, torch.device) and m.offload_device.type == "cpu"
-            for m in build_modifiers(plan, recipe, **kw)
-            if isinstance(m, AWQModifier)
+        return [
+            m.offload_device for m in build_modifiers(plan, recipe) if isinstance(m, AWQModifier)
         ]
 
     r = load_recipe(R / "gemma-mixed-w4.yaml")
-    assert awq_offload(r, device="cuda") == [True]
-    assert awq_offload(r, device="cuda", bare=True) == [False]
-    assert awq_offload(r, device="cpu") == [False]  # already in CPU memory
-    r.groups[0].options.offload_cache = False
-    assert awq_offload(r, device="cuda") == [False]
+    assert r.groups[0].options.offload_cache is None
+    (default,) = awq_offload(r)
+    assert not isinstance(default, torch.device)  # the library's own (unset) default
     r.groups[0].options.offload_cache = True
-    assert awq_offload(r, device="cpu") == [True]
+    assert awq_offload(r) == [torch.device("cpu")]
+    r.groups[0].options.offload_cache = False
+    assert awq_offload(r) == [None]
