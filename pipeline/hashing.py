@@ -4,8 +4,11 @@
   {"source", "repo_id", "revision", "files": {relpath: {"sha256", "size"}}}
 * coreutils `SHA256SUMS` ("<hex>  <relpath>" lines), accepted by `sha256sum -c`.
 
-Hashing reads into one reused buffer (constant memory for any file size); hashlib
-releases the GIL on large updates, so several files hash in parallel threads.
+Hashing reads into reused buffers (constant memory for any file size); hashlib releases
+the GIL on large updates, so several files hash in parallel threads. When cores are left
+over (fewer files than cores), each file also gets a read-ahead thread that copies the next
+chunk out of the page cache while this one is hashed: that copy is what keeps a single
+reader at ~0.87x of `openssl speed` (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,20 +40,68 @@ class FileDigest:
 
 
 def sha256_file(
-    path: Path, *, chunk: int = CHUNK, on_bytes: Callable[[int], None] | None = None
+    path: Path,
+    *,
+    chunk: int = CHUNK,
+    on_bytes: Callable[[int], None] | None = None,
+    readahead: bool = False,
 ) -> FileDigest:
-    """SHA-256 and size of one file, read in `chunk`-byte pieces into one buffer."""
+    """SHA-256 and size of one file, read in `chunk`-byte pieces into reused buffers;
+    `readahead` reads the next pieces in a second thread (for when a core is idle)."""
     h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        size = (_digest_readahead if readahead else _digest)(fh, h, chunk, on_bytes)
+    return FileDigest(h.hexdigest(), size)
+
+
+def _digest(fh, h, chunk: int, on_bytes) -> int:
     buf = bytearray(chunk)
     view = memoryview(buf)
     size = 0
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            h.update(view[:n])
+    while n := fh.readinto(buf):
+        h.update(view[:n])
+        size += n
+        if on_bytes:
+            on_bytes(n)
+    return size
+
+
+def _digest_readahead(fh, h, chunk: int, on_bytes, depth: int = 3) -> int:
+    """`_digest` with the reads in a thread, `depth` buffers in flight. A read error is
+    raised here; an error here (or in on_bytes) stops the reader before returning."""
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    full: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(depth):
+        free.put(bytearray(chunk))
+
+    def read() -> None:
+        try:
+            while (buf := free.get()) is not None:
+                n = fh.readinto(buf)
+                full.put((buf, n))
+                if not n:
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the hashing thread
+            full.put((e, 0))
+
+    reader = threading.Thread(target=read, name="sha256-readahead", daemon=True)
+    reader.start()
+    size = 0
+    try:
+        while True:
+            buf, n = full.get()
+            if isinstance(buf, BaseException):
+                raise buf
+            if not n:
+                return size
+            h.update(memoryview(buf)[:n])
             size += n
             if on_bytes:
                 on_bytes(n)
-    return FileDigest(h.hexdigest(), size)
+            free.put(buf)
+    finally:
+        free.put(None)  # wakes a reader waiting for a buffer; one that is reading sees it next
+        reader.join()
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -62,12 +115,17 @@ def hash_files(
     workers: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> dict[str, FileDigest]:
-    """Hash files under root in parallel threads; returns relpath -> FileDigest (sorted)."""
+    """Hash files under root in parallel threads; returns relpath -> FileDigest (sorted).
+    With a core to spare per file, each file is read ahead in a thread of its own."""
     rels = sorted(set(relpaths))
-    workers = workers or min(len(rels), os.cpu_count() or 1) or 1
+    cores = os.cpu_count() or 1
+    workers = workers or min(len(rels), cores) or 1
+    readahead = cores >= 2 * min(workers, len(rels) or 1)
     root = Path(root)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = pool.map(lambda r: sha256_file(root / r, on_bytes=on_bytes), rels)
+        digests = pool.map(
+            lambda r: sha256_file(root / r, on_bytes=on_bytes, readahead=readahead), rels
+        )
         return dict(zip(rels, digests, strict=True))
 
 

@@ -5,6 +5,7 @@ constant memory on a file larger than 1 GiB, and the SHA256SUMS reader/writer ag
 from __future__ import annotations
 
 import hashlib
+import io
 import random
 import shutil
 import subprocess
@@ -56,22 +57,83 @@ def random_files(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
 
 
 @needs_sha256sum
-def test_sha256_file_equals_hashlib_and_coreutils(random_files):
+@pytest.mark.parametrize("readahead", [False, True])
+def test_sha256_file_equals_hashlib_and_coreutils(random_files, readahead):
     root, contents = random_files
     for rel, data in contents.items():
-        d = sha256_file(root / rel)
+        d = sha256_file(root / rel, readahead=readahead)
         assert d == FileDigest(hashlib.sha256(data).hexdigest(), len(data)), rel
         assert d.sha256 == coreutils_sha256(root / rel), rel
     # odd chunk sizes give the same digest
     rel = next(r for r in contents if len(contents[r]) == 3 * CHUNK + 12345)
-    for chunk in (1, 7, 4096, CHUNK * 2):
-        if chunk == 1:
-            continue  # too slow for 3 MiB; covered by the small files below
-        assert (
-            sha256_file(root / rel, chunk=chunk).sha256 == hashlib.sha256(contents[rel]).hexdigest()
-        )
+    want = hashlib.sha256(contents[rel]).hexdigest()
+    for chunk in (7, 4096, CHUNK * 2):  # 1 is too slow for 3 MiB; the 65-byte file has it
+        assert sha256_file(root / rel, chunk=chunk, readahead=readahead).sha256 == want
     small = next(r for r in contents if len(contents[r]) == 65)
-    assert sha256_file(root / small, chunk=1).sha256 == hashlib.sha256(contents[small]).hexdigest()
+    assert (
+        sha256_file(root / small, chunk=1, readahead=readahead).sha256
+        == hashlib.sha256(contents[small]).hexdigest()
+    )
+
+
+def _readahead_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "sha256-readahead"]
+
+
+def test_readahead_errors_propagate_and_stop_the_reader(random_files):
+    """A read error reaches the caller; so does an error while hashing (here from the
+    progress callback), and in both cases no reader thread is left behind."""
+    from pipeline.hashing import _digest_readahead
+
+    class Failing(io.BytesIO):
+        def readinto(self, b):
+            if self.tell() >= 2 * 4096:
+                raise OSError(5, "Input/output error")
+            return super().readinto(b)
+
+    with pytest.raises(OSError, match="Input/output error"):
+        _digest_readahead(Failing(bytes(10 * 4096)), hashlib.sha256(), 4096, None)
+    assert not _readahead_threads()
+
+    root, contents = random_files
+    big = next(r for r in contents if len(contents[r]) == 3 * CHUNK + 12345)
+    calls = []
+
+    def stop_after_two(n):
+        calls.append(n)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sha256_file(root / big, chunk=4096, readahead=True, on_bytes=stop_after_two)
+    assert not _readahead_threads()
+
+
+def test_hash_files_reads_ahead_only_with_cores_to_spare(random_files, monkeypatch):
+    import pipeline.hashing as hashing
+
+    root, contents = random_files
+    seen = []
+    real = hashing.sha256_file
+
+    def spy(path, **kw):
+        seen.append(kw["readahead"])
+        return real(path, **kw)
+
+    monkeypatch.setattr(hashing, "sha256_file", spy)
+    for cores, files, workers, want in [
+        (2, 1, None, True),  # one big file, a core idle: read ahead
+        (2, 2, None, False),  # every core hashes a file
+        (8, 3, None, True),
+        (8, 8, None, False),
+        (8, 8, 2, True),  # capped at 2 workers: 6 cores idle
+    ]:
+        monkeypatch.setattr(hashing.os, "cpu_count", lambda cores=cores: cores)
+        seen.clear()
+        got = hashing.hash_files(root, list(contents)[:files], workers=workers)
+        assert set(seen) == {want}, (cores, files, workers)
+        for rel, d in got.items():
+            assert d.sha256 == hashlib.sha256(contents[rel]).hexdigest()
 
 
 def test_hash_files_threads_and_list_files(random_files):
