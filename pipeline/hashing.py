@@ -114,13 +114,16 @@ def hash_files(
     *,
     workers: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    readahead: bool | None = None,
 ) -> dict[str, FileDigest]:
     """Hash files under root in parallel threads; returns relpath -> FileDigest (sorted).
-    With a core to spare per file, each file is read ahead in a thread of its own."""
+    readahead=None: each file is read ahead in a thread of its own when there is a core to
+    spare per file."""
     rels = sorted(set(relpaths))
     cores = os.cpu_count() or 1
     workers = workers or min(len(rels), cores) or 1
-    readahead = cores >= 2 * min(workers, len(rels) or 1)
+    if readahead is None:
+        readahead = cores >= 2 * min(workers, len(rels) or 1)
     root = Path(root)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         digests = pool.map(
