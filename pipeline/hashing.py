@@ -5,10 +5,12 @@
 * coreutils `SHA256SUMS` ("<hex>  <relpath>" lines), accepted by `sha256sum -c`.
 
 Hashing reads into reused buffers (constant memory for any file size); hashlib releases
-the GIL on large updates, so several files hash in parallel threads. When cores are left
-over (fewer files than cores), each file also gets a read-ahead thread that copies the next
+the GIL on large updates, so several files hash in parallel threads. With a core to spare
+per file (at most half as many files as cores), each file also gets a read-ahead thread
+that copies the next
 chunk out of the page cache while this one is hashed: that copy is what keeps a single
-reader at ~0.87x of `openssl speed` (bench/RESULTS.md).
+reader at ~0.9x of `openssl speed`, and read ahead one file hashes at ~0.99x
+(bench/RESULTS.md).
 """
 
 from __future__ import annotations
