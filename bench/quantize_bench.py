@@ -107,18 +107,15 @@ def run_one(args) -> dict:
     if out.exists():
         shutil.rmtree(out)
     breakdown = None
-    if args.memory_breakdown and torch.cuda.is_available():
+    record = args.memory_breakdown and torch.cuda.is_available()
+    if record:
         sys.path.insert(0, str(ROOT / "bench"))
         import cuda_peak
-
-        rec_ctx = cuda_peak.recording()
-    else:
-        rec_ctx = contextlib.nullcontext()
     t0 = time.perf_counter()
-    with rec_ctx:
+    with cuda_peak.recording() if record else contextlib.nullcontext():
         res = quantize(model, r, out, token_sets=ts, device=args.device, bare=args.mode == "bare")
     wall = time.perf_counter() - t0
-    if args.memory_breakdown and torch.cuda.is_available():
+    if record:
         breakdown = cuda_peak.breakdown()
         print(cuda_peak.breakdown_text(breakdown), file=sys.stderr)
     rep = res.report
