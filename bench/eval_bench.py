@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import kl_stats  # noqa: E402
-from pipeline.evaluate import forward_logits, kv_quantization, load_model  # noqa: E402
+from pipeline.evaluate import kl_stats  # noqa: E402
+from pipeline.evaluate.scoring import forward_logits, kv_quantization  # noqa: E402
+from pipeline.model.loading import load_model  # noqa: E402
 
 
 def _ids(args, ref_dir: Path) -> torch.Tensor:

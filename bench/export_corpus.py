@@ -1,7 +1,7 @@
 """Export builtin:english as JSONL (text, doc_id, part) and point recipes at it.
 
 For machines without gensim (the lent GPU): a local JSONL with doc_id/part gives the same
-document split and the same token sets as builtin:english (calibration.py), so GPU and
+document split and the same token sets as builtin:english (pipeline/data/tokens.py), so GPU and
 CPU runs are scored on the very same held-out tokens.
 
     python bench/export_corpus.py DIR recipes/*.yaml [bench/recipes/*.yaml]
@@ -20,7 +20,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.calibration import corpus_hash, load_corpus  # noqa: E402
+from pipeline.data.corpus import corpus_hash, load_corpus  # noqa: E402
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pipeline.hashing import hash_files, sha256_file  # noqa: E402
+from pipeline.io.hashing import hash_files, sha256_file  # noqa: E402
 
 GIB = 1024**3
 

@@ -79,7 +79,7 @@ def run_one(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from pipeline.calibration import build_token_sets
+    from pipeline.data.tokens import build_token_sets
     from pipeline.quantize import quantize
     from pipeline.recipe import load_recipe
 
@@ -113,41 +113,40 @@ def run_one(args) -> dict:
         import cuda_peak
     t0 = time.perf_counter()
     with cuda_peak.recording() if record else contextlib.nullcontext():
-        res = quantize(model, r, out, token_sets=ts, device=args.device, bare=args.mode == "bare")
+        res = quantize(model, r, out, tokens=ts, device=args.device, bare=args.mode == "bare")
     wall = time.perf_counter() - t0
     if record:
         breakdown = cuda_peak.breakdown()
         print(cuda_peak.breakdown_text(breakdown), file=sys.stderr)
-    rep = res.report
+    rep = res
     row = {
         "recipe": r.name,
         "mode": args.mode,
-        "device": rep["device"],
+        "device": rep.device,
         "calibration": f"{r.calibration.num_samples}x{r.calibration.seq_len}",
         "batch_size": 1 if args.mode == "bare" else r.calibration.batch_size,
         "awq_offload_cache": [g.options.offload_cache for g in r.groups if g.method == "awq"],
         "wall_s": wall,
-        "oneshot_s": rep["timings"]["oneshot"],
-        "save_s": rep["timings"]["save"],
-        "layers_s": [x["seconds"] for x in rep["layers"]],
-        "peak_rss_bytes": rep["peak_memory"].get("peak_rss_bytes"),
-        "cuda_max_allocated_bytes": rep["peak_memory"].get("cuda_max_allocated_bytes"),
+        "oneshot_s": rep.timings.oneshot,
+        "save_s": rep.timings.save,
+        "layers_s": [x.seconds for x in rep.layers],
+        "peak_rss_bytes": rep.peak_memory.peak_rss_bytes,
+        "cuda_max_allocated_bytes": rep.peak_memory.cuda_max_allocated_bytes,
         # per phase (oneshot = what the bare call is compared on; save; verify = reload
         # check) and the running peak after each layer of the sequential pass
         "cuda_phase_peak_bytes": {
-            k: v["max_allocated_bytes"]
-            for k, v in (rep["peak_memory"].get("cuda_phases") or {}).items()
+            k: v.max_allocated_bytes for k, v in rep.peak_memory.cuda_phases.items()
         },
-        "cuda_layer_peak_bytes": [x.get("cuda_max_allocated_bytes") for x in rep["layers"]],
-        "bits_per_weight": rep["checkpoint"]["bits_per_weight_quantized"],
-        "checkpoint_bytes": rep["checkpoint"]["bytes"],
+        "cuda_layer_peak_bytes": [x.cuda_max_allocated_bytes for x in rep.layers],
+        "bits_per_weight": rep.checkpoint.bits_per_weight_quantized,
+        "checkpoint_bytes": rep.checkpoint.bytes,
         "cuda_peak_breakdown": breakdown,
         "awq_mean_loss_reduction": (
-            sum(a["loss_reduction"] for a in rep["awq"]) / len(rep["awq"]) if rep["awq"] else None
+            sum(a.loss_reduction for a in rep.awq) / len(rep.awq) if rep.awq else None
         ),
     }
     if not args.no_kl:
-        dev = rep["device"]
+        dev = rep.device
         row.update(_mean_kl(model, out, ts.heldout_ids, dev, args.kl_batch))
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)

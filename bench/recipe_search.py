@@ -23,7 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import compare, runner, sensitivity  # noqa: E402
+from pipeline import runner  # noqa: E402
+from pipeline.compare import compare, sensitivity  # noqa: E402
+from pipeline.compare.rows import row_from_file  # noqa: E402
 from pipeline.recipe import load_recipe  # noqa: E402
 
 
@@ -80,15 +82,14 @@ def main() -> int:
         print(f"== {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     try:
         rep = compare.collect([a.out / "runs"], a.out / "report")
-        summary, rows = {**rep.to_json(), "failed": failed}, rep.report["rows"]
+        summary = {**rep.to_json(), "failed": failed}
+        rows = json.loads((a.out / "report" / "compare.json").read_text())["rows"]
     except ImportError as e:  # no matplotlib (the lent GPU): collect the report elsewhere
         print(
             f"report not built here ({e}); run `qship compare --collect {a.out}/runs`",
             file=sys.stderr,
         )
-        from pipeline.compare import find_eval_files, row_from_file
-
-        rows = [row_from_file(f) for f in find_eval_files([a.out / "runs"])]
+        rows = [row_from_file(f) for f in compare.find_eval_files([a.out / "runs"])]
         summary = {"failed": failed, "recipes": [r["name"] for r in rows]}
     (a.out / "search.json").write_text(json.dumps(summary, indent=2) + "\n")
     for row in rows:

@@ -9,16 +9,28 @@ Messages name the file, the field or module, expected vs actual, and the fix.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class QshipError(Exception):
     """Base class; `exit_code` is what the CLI returns for it."""
 
     exit_code = 1
 
-    def __init__(self, message: str, *, path: str | None = None, hint: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        hint: str | None = None,
+        result: Any = None,
+    ):
         self.message = message
         self.path = str(path) if path is not None else None
         self.hint = hint
+        # what the command produced before it failed (a record with to_json()): the CLI's
+        # one --json object carries it under "result"
+        self.result = result
         super().__init__(str(self))
 
     def __str__(self) -> str:
@@ -27,7 +39,7 @@ class QshipError(Exception):
             text += f"\n  fix: {self.hint}"
         return text
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "error": type(self).__name__,
             "exit_code": self.exit_code,

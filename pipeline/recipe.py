@@ -17,7 +17,7 @@ uses the library's own matcher, so plan and engine cannot disagree): `re:<regex>
 exact suffix), anything else is an exact module name or a module class name (`Linear`).
 
 Checks that need the model (overlaps, unmatched targets, group-size divisibility, fp16 on
-Gemma) live in `validate_for_model`, called by the plan.
+Gemma) are the plan's (pipeline/quantize/validate.py): a recipe alone is checked here.
 """
 
 from __future__ import annotations
@@ -54,24 +54,12 @@ class Scheme(_Strict):
     # the one with the least rounding error (clipping a few outliers buys finer steps)
     observer: Literal["mse"] | None = None
 
-    def planned(self) -> dict:
-        """The scheme as the plan and config check see it (observer only when chosen)."""
-        d = self.model_dump()
-        if d["observer"] is None:
-            del d["observer"]
-        return d
-
     @field_validator("group_size")
     @classmethod
     def _positive(cls, v: int | None) -> int | None:
         if v is not None and v <= 0:
             raise ValueError("group_size must be a positive integer or null (per channel)")
         return v
-
-    def label(self) -> str:
-        kind = "sym" if self.symmetric else "asym"
-        grp = f"g{self.group_size}" if self.group_size else "per-channel"
-        return f"int{self.bits} {kind} {grp}" + (f" {self.observer}" if self.observer else "")
 
 
 class Options(_Strict):
@@ -270,116 +258,3 @@ def load_recipe(path: Path | str) -> Recipe:
     except yaml.YAMLError as e:
         raise RecipeError(f"not valid YAML: {e}", path=str(p), hint="fix the YAML syntax") from None
     return parse_recipe(data, path=str(p))
-
-
-# ---------------------------------------------------------------------------------------
-# checks against a concrete model
-
-
-def module_matches(name: str, module: Any, targets: list[str]) -> bool:
-    """The library's own matching rule (compressed_tensors.utils.match.is_match)."""
-    from compressed_tensors.utils.match import is_match
-
-    return is_match(name, module, targets)
-
-
-def validate_for_model(recipe: Recipe, model: Any) -> dict[str, str]:
-    """Check the recipe against `model`; return {linear module name: group name}.
-
-    Raises RecipeError (exit 2) naming the file, the field and the fix for: a target that
-    matches no module, overlapping groups, a Linear matched by no group, a quantizing group
-    that targets a non-Linear module, a group size that does not divide a module's input
-    width, fp16 chosen for a Gemma model.
-    """
-    import torch
-
-    path = recipe.path
-    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
-    if recipe.dtype == "float16" and model_type.startswith("gemma"):
-        raise RecipeError(
-            f"field `dtype`: float16 chosen for a Gemma model ({model_type}); Gemma's "
-            "activations overflow float16",
-            path=path,
-            hint="set `dtype: bfloat16`",
-        )
-
-    modules = [(n, m) for n, m in model.named_modules() if n]
-    linear_names = [n for n, m in modules if isinstance(m, torch.nn.Linear)]
-    owner: dict[str, str] = {}
-    for gi, g in enumerate(recipe.groups):
-        for ti, t in enumerate(g.targets):
-            hits = [n for n, m in modules if module_matches(n, m, [t])]
-            if not hits:
-                sample = ", ".join(linear_names[:3])
-                raise RecipeError(
-                    f"field `groups[{gi}].targets[{ti}]`: target {t!r} of group {g.name!r} "
-                    f"matches no module of this model",
-                    path=path,
-                    hint=f"fix or delete the target; module names look like {sample}"
-                    " (regexes need the 're:' prefix and are matched from the start of the name)",
-                )
-            if g.method != "none":
-                bad = [
-                    (n, type(m).__name__)
-                    for n, m in modules
-                    if n in hits and not isinstance(m, torch.nn.Linear)
-                ]
-                if bad:
-                    n, cls = bad[0]
-                    raise RecipeError(
-                        f"field `groups[{gi}].targets[{ti}]`: target {t!r} of group {g.name!r} "
-                        f"matches {n} ({cls}), which is not a Linear module",
-                        path=path,
-                        hint="anchor the regex on Linear modules (e.g. end it with 'q_proj$'); "
-                        "only Linear weights are quantized",
-                    )
-        for n, m in modules:
-            if not isinstance(m, torch.nn.Linear) or not module_matches(n, m, g.targets):
-                continue
-            if n in owner:
-                raise RecipeError(
-                    f"field `groups`: groups {owner[n]!r} and {g.name!r} overlap: module {n} "
-                    f"is matched by both",
-                    path=path,
-                    hint=f"narrow the targets of {owner[n]!r} or {g.name!r} so every module "
-                    "belongs to exactly one group (llm-compressor would silently let the later one win)",
-                )
-            owner[n] = g.name
-            if g.scheme is not None and g.scheme.group_size:
-                width = m.in_features
-                if width % g.scheme.group_size:
-                    raise RecipeError(
-                        f"field `groups[{gi}].scheme.group_size`: group size "
-                        f"{g.scheme.group_size} of group {g.name!r} does not divide the input "
-                        f"width {width} of module {n}",
-                        path=path,
-                        hint=f"choose a group size that divides {width} (e.g. "
-                        f"{_divisor_hint(width, g.scheme.group_size)}) or null for per-channel",
-                    )
-    missing = [n for n in linear_names if n not in owner]
-    if missing:
-        raise RecipeError(
-            f"field `groups`: Linear module {missing[0]} is matched by no group"
-            + (f" ({len(missing)} modules unmatched)" if len(missing) > 1 else ""),
-            path=path,
-            hint="add it to a group; use a group with `method: none` to keep it in 16-bit "
-            "(lm_head is usually kept that way)",
-        )
-    if recipe.kv_cache is not None:
-        has_kv = any(n.endswith("k_proj") for n in linear_names) and any(
-            n.endswith("v_proj") for n in linear_names
-        )
-        if not has_kv:
-            raise RecipeError(
-                "field `kv_cache`: this model has no k_proj/v_proj modules to quantize the KV cache at",
-                path=path,
-                hint="set `kv_cache: null`",
-            )
-    return owner
-
-
-def _divisor_hint(width: int, gs: int) -> str:
-    for cand in (128, 64, 32, 256, 16):
-        if width % cand == 0 and cand != gs:
-            return str(cand)
-    return "null"

@@ -1,98 +1,130 @@
 """Stage order, the stage cache and the run record: `qship run` end to end.
 
-    fetch ─► tokens ─► quantize ─► evaluate ─► gate ─► package ─► (publish)
+    recipe ─► fetch ─► tokens ─► quantize ─► evaluate ─► gate ─► package ─► (publish)
 
-Each stage function takes the previous stage's output and returns its own; the cached
-ones (quantize, evaluate) live under <cache>/<stage>/<key>/ keyed by the hash of their
-inputs, so a CI retry, a run resumed after a kill, or a recipe sweep (`qship compare`)
-re-uses fetch, calibration tokens, the reference log-probs and finished quantizations.
-fetch and the token sets cache themselves by content (fetch.py, calibration.py).
+`recipe` checks the recipe against the model's config alone (meta device) before anything
+is downloaded or loaded: an invalid recipe exits 2 in seconds. Each later stage takes the
+previous stage's record and returns its own. quantize and evaluate are cached under
+<cache>/<stage>/<key>/, keyed by the hash of their inputs, so a CI retry, a run resumed
+after a kill, or a recipe sweep (`qship compare`) re-uses fetch, the token sets, the
+reference log-probs and finished quantizations (fetch and tokens cache themselves by
+content). The gate is computed once, here, and carried to package and run.json.
 
-A run that fails its gate leaves no artifact: the evaluation is written to the report
-folder `<out>.report/` (eval.json, eval.md, run.json) and the run exits 4.
+A run that fails its gate leaves no artifact: `<out>.report/` holds eval.json, eval.md,
+plan.json, quantize_report.json and run.json, and the run exits 4. Any failure writes
+run.json with the error before it propagates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import sys
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gate as gate_mod
-from .cache import StageCache, stage_key
-from .errors import UsageError
-from .fsutil import atomic_write_text
+from . import gate, log
+from .data.tokens import TokenSets, build_token_sets
+from .errors import QshipError, StageError, UsageError
+from .io.atomic import atomic_write_text
+from .io.cache import StageCache, stage_key
+from .model.devices import device_kind
 from .recipe import Recipe, load_recipe
+from .records.checkpoint import QuantizedCheckpoint
+from .records.evaluation import EvalFile, EvalReport, ModelRef
+from .records.plan import Plan
+from .records.run import ErrorInfo, RunRecord, StageRow
+from .records.snapshot import Snapshot
+from .records.verdict import Verdict
 
 QUANT_MODEL = "model"  # the checkpoint's folder inside a quantize cache entry
 # Recipe fields that change the quantized weights (gates and evaluation settings do not).
 _QUANT_FIELDS = ("dtype", "groups", "kv_cache", "calibration")
+REPORT_SUFFIX = ".report"
 
 
-def _log(msg: str) -> None:
-    print(f"qship run: {msg}", file=sys.stderr, flush=True)
+def report_dir_for(out: Path) -> Path:
+    return Path(out).with_name(Path(out).name + REPORT_SUFFIX)
+
+
+def check_out(out: Path) -> Path:
+    """An artifact is never overwritten: a run's --out must not exist yet."""
+    if Path(out).exists():
+        raise UsageError(
+            "the output folder already exists",
+            path=str(out),
+            hint="pass a new --out (artifacts are never overwritten) or delete the old one",
+        )
+    return Path(out)
 
 
 @dataclass
 class Context:
     cache_dir: Path
     device: str | None = None
-    progress: bool = True
-    stages: list[dict] = field(default_factory=list)  # the run record, one row per stage
+    checksums_dir: Path = Path("checksums")
+    rows: list[StageRow] = field(default_factory=list)
 
     @property
     def cache(self) -> StageCache:
         return StageCache(self.cache_dir)
 
-    def record(self, stage: str, t0: float, **facts: Any) -> None:
-        row = {"stage": stage, "seconds": round(time.perf_counter() - t0, 3), **facts}
-        self.stages.append(row)
-        hit = " (cached)" if facts.get("cache_hit") else ""
-        _log(f"{stage} done in {row['seconds']:.1f} s{hit}")
-
-
-@dataclass
-class Quantized:
-    path: Path  # the compressed checkpoint
-    key: str
-    record: dict  # QuantizeResult.to_json() with the path relative to the entry
-
-
-@dataclass
-class Evaluated:
-    eval_json: dict  # EvalResult.to_json()
-    verdict: gate_mod.Verdict
-    key: str
+    @contextlib.contextmanager
+    def stage(self, name: str, key: str | None = None) -> Iterator[log.StageLine]:
+        """One stage line on the terminal and one row of the run record."""
+        with log.stage(name) as line:
+            yield line
+        self.rows.append(
+            StageRow(
+                stage=name,
+                seconds=round(line.seconds, 3),
+                cache_hit=line.cached,
+                key=key,
+                note=line.note,
+            )  # fmt: skip
+        )
 
 
 # ------------------------------------------------------------------ stages
 
 
-def fetch_stage(source: str, ctx: Context, *, allow_pickle: bool = False):
+def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = True) -> Plan:
+    """The recipe against the model's config, before any weight is fetched (exit 2)."""
+    from .fetch import read_config
+    from .quantize import plan_for_config
+
+    with ctx.stage("recipe") as line:
+        plan = plan_for_config(read_config(model, cache_dir=ctx.cache_dir), recipe)
+        line.note = f"{recipe.name} fits {plan.architecture} ({recipe.path})"
+    if show_plan:
+        log.info(plan.summary(), style="dim")
+    return plan
+
+
+def fetch_stage(source: str, ctx: Context, *, allow_pickle: bool = False) -> Snapshot:
     from .fetch import fetch
 
-    t0 = time.perf_counter()
-    snap = fetch(source, cache_dir=ctx.cache_dir, allow_pickle=allow_pickle)
-    ctx.record("fetch", t0, source=source, revision=snap.revision, model_hash=snap.model_hash)
+    with ctx.stage("fetch") as line:
+        snap = fetch(source, cache_dir=ctx.cache_dir, checksums_dir=ctx.checksums_dir,
+                     allow_pickle=allow_pickle)  # fmt: skip
+        size = sum(d.size for d in snap.files.values())
+        line.note = f"{snap.repo_id}@{snap.revision}: {snap.pin_status}, {size / 1e6:.0f} MB"
+        line.cached = snap.cache_hit
     return snap
 
 
-def tokens_stage(snapshot, recipe: Recipe, ctx: Context):
+def tokens_stage(snapshot: Snapshot, recipe: Recipe, ctx: Context) -> TokenSets:
     from transformers import AutoTokenizer
 
-    from .calibration import build_token_sets
-
-    t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(snapshot.path)
-    sets = build_token_sets(tok, recipe.calibration, recipe.evaluation, cache_dir=ctx.cache_dir)
-    ctx.record("tokens", t0, calib_hash=sets.calib_hash, heldout_hash=sets.heldout_hash)
+    with ctx.stage("tokens") as line:
+        tok = AutoTokenizer.from_pretrained(snapshot.path)
+        sets = build_token_sets(tok, recipe.calibration, recipe.evaluation, cache_dir=ctx.cache_dir)
+        line.note = sets.info.summary()
     return sets
 
 
-def quantize_key(snapshot, recipe: Recipe, tokens, device: str | None) -> str:
+def quantize_key(snapshot: Snapshot, recipe: Recipe, tokens: TokenSets, device: str | None) -> str:
     resolved = recipe.resolved()
     return stage_key(
         "quantize",
@@ -101,137 +133,88 @@ def quantize_key(snapshot, recipe: Recipe, tokens, device: str | None) -> str:
             "recipe": {k: resolved[k] for k in _QUANT_FIELDS},
             "calib": tokens.calib_hash,
             # GPU and CPU kernels round differently: their checkpoints are different inputs
-            "device": _device_kind(device),
+            "device": device_kind(device),
         },
     )
 
 
-def quantize_stage(snapshot, recipe: Recipe, tokens, ctx: Context) -> Quantized:
+def quantize_stage(
+    snapshot: Snapshot, recipe: Recipe, tokens: TokenSets, ctx: Context
+) -> tuple[QuantizedCheckpoint, str]:
     from .quantize import quantize
 
-    t0 = time.perf_counter()
     key = quantize_key(snapshot, recipe, tokens, ctx.device)
 
-    def build(tmp: Path) -> dict:
-        res = quantize(
-            Path(snapshot.path),
-            recipe,
-            tmp / QUANT_MODEL,
-            token_sets=tokens,
-            device=ctx.device,
-            progress=ctx.progress,
-        )
-        return {**res.to_json(), "path": QUANT_MODEL}
+    def build(tmp: Path) -> dict[str, Any]:
+        qc = quantize(snapshot.path, recipe, tmp / QUANT_MODEL, tokens=tokens, device=ctx.device)
+        return qc.model_copy(update={"path": Path(QUANT_MODEL)}).to_json()
 
-    entry = ctx.cache.get_or_build("quantize", key, build)
-    ctx.record("quantize", t0, key=key, cache_hit=entry.hit, recipe=recipe.name)
-    return Quantized(entry.path / QUANT_MODEL, key, entry.record)
+    with ctx.stage("quantize", key) as line:
+        entry = ctx.cache.get_or_build("quantize", key, build)
+        rec = QuantizedCheckpoint.from_json(entry.record, where=str(entry.path), error=StageError)
+        qc = rec.model_copy(update={"path": entry.path / QUANT_MODEL})
+        c = qc.checkpoint
+        line.note = f"{c.bits_per_weight_quantized:.3f} bits/weight, {c.bytes / 1e6:.0f} MB"
+        line.cached = entry.hit
+    return qc, key
 
 
-def evaluate_stage(snapshot, quantized: Quantized, recipe: Recipe, tokens, ctx: Context):
+def evaluate_stage(
+    snapshot: Snapshot, qc: QuantizedCheckpoint, qkey: str, recipe: Recipe,
+    tokens: TokenSets, ctx: Context,
+) -> EvalReport:  # fmt: skip
     from .evaluate import evaluate
 
-    t0 = time.perf_counter()
     ev = recipe.evaluation
     key = stage_key(
         "evaluate",
         {
             "reference": snapshot.model_hash,
-            "candidate": quantized.key,
+            "candidate": qkey,
             "heldout": tokens.heldout_hash,
             "evaluation": ev.model_dump(mode="json"),
-            "device": _device_kind(ctx.device),
+            "device": device_kind(ctx.device),
         },
     )
 
-    def build(_tmp: Path) -> dict:
-        result = evaluate(
-            Path(snapshot.path),
-            quantized.path,
-            heldout_ids=tokens.heldout_ids,
-            heldout_hash=tokens.heldout_hash,
-            cache_dir=ctx.cache_dir,
-            tasks=ev.tasks,
-            hub_tasks=ev.hub_tasks,
-            limit=ev.limit,
-            batch_size=ev.batch_size,
-            device=ctx.device,
-            corpus=tokens.to_json(),
-        )
-        return result.to_json()
+    def build(_tmp: Path) -> dict[str, Any]:
+        return evaluate(
+            ModelRef(path=snapshot.path, model_hash=snapshot.model_hash),
+            ModelRef(path=qc.path, model_hash=qc.model_hash),
+            heldout_ids=tokens.heldout_ids, cache_dir=ctx.cache_dir, tasks=ev.tasks,
+            hub_tasks=ev.hub_tasks, limit=ev.limit, batch_size=ev.batch_size,
+            device=ctx.device, corpus_source=tokens.info.source,
+            corpus_hash=tokens.info.corpus_hash,
+        ).to_json()  # fmt: skip
 
-    entry = ctx.cache.get_or_build("evaluate", key, build)
-    eval_json = dict(entry.record)
-    # the gate is cheap and its limits may change without touching the evaluation
-    verdict = gate_mod.check(eval_json, recipe.gates)
-    ctx.record("evaluate", t0, key=key, cache_hit=entry.hit, passed=verdict.passed)
-    return Evaluated(eval_json, verdict, key)
+    with ctx.stage("evaluate", key) as line:
+        entry = ctx.cache.get_or_build("evaluate", key, build)
+        report = EvalReport.from_json(entry.record, where=str(entry.path), error=StageError)
+        line.note, line.cached = report.summary(), entry.hit
+    return report
 
 
-def provenance(snapshot, recipe: Recipe, tokens, quantized: Quantized, ctx: Context) -> dict:
-    return {
-        "source": {
-            "spec": snapshot.source,
-            "repo_id": snapshot.repo_id,
-            "revision": snapshot.revision,
-            "model_hash": snapshot.model_hash,
-            "manifest": str(snapshot.manifest) if snapshot.manifest else None,
-            "files": {k: v.to_json() for k, v in sorted(snapshot.files.items())},
-            "license": getattr(snapshot, "license", None),
-        },
-        "recipe_sha256_resolved": recipe.hash(),
-        "calibration": tokens.to_json(),
-        "quantize": {
-            "key": quantized.key,
-            "seconds": quantized.record.get("seconds"),
-            "peak_memory": quantized.record.get("peak_memory"),
-            "device": _device_kind(ctx.device),
-        },
-        "timings": {f"{s['stage']}_s": s["seconds"] for s in ctx.stages},
-    }
+def gate_stage(report: EvalReport, recipe: Recipe, ctx: Context) -> Verdict:
+    with ctx.stage("gate") as line:
+        verdict = gate.check(report, recipe.gates)
+        line.note = verdict.summary().splitlines()[0]
+    for row in verdict.summary().splitlines()[1:]:
+        log.info(row, style=None if verdict.passed else "red")
+    return verdict
+
+
+def write_report_dir(reports: Path, ev: EvalFile, qc: QuantizedCheckpoint | None = None) -> None:
+    """eval.json, eval.md, plan.json and quantize_report.json in the report folder: readable
+    also when the gate fails and no artifact exists (`qship compare --collect` takes them)."""
+    from .evaluate import write_outputs
+
+    write_outputs(ev, reports)
+    if qc is not None:
+        atomic_write_text(reports / "plan.json", json.dumps(qc.plan.to_json(), indent=2) + "\n")
+        qc.write(reports)
 
 
 # ------------------------------------------------------------------ the whole run
-
-
-@dataclass
-class RunResult:
-    out: Path | None  # the artifact (None when the gate failed)
-    report_dir: Path
-    passed: bool
-    verdict: dict
-    stages: list[dict]
-    published: dict | None = None
-
-    def to_json(self) -> dict:
-        return {
-            "artifact": str(self.out) if self.out else None,
-            "report_dir": str(self.report_dir),
-            "passed": self.passed,
-            "verdict": self.verdict,
-            "stages": self.stages,
-            "published": self.published,
-        }
-
-    def summary(self) -> str:
-        lines = [f"{'stage':<10} {'seconds':>9}  cache"]
-        for s in self.stages:
-            lines.append(
-                f"{s['stage']:<10} {s['seconds']:>9.1f}  {'hit' if s.get('cache_hit') else ''}"
-            )
-        lines.append(gate_mod.Verdict.from_json(self.verdict).summary())
-        lines.append(
-            f"artifact: {self.out}"
-            if self.out
-            else f"no artifact (gate failed); see {self.report_dir}"
-        )
-        if self.published:
-            lines.append(f"published: {self.published}")
-        return "\n".join(lines)
-
-
-def report_dir_for(out: Path) -> Path:
-    return out.with_name(out.name + ".report")
 
 
 def run(
@@ -244,74 +227,66 @@ def run(
     sign_key: Path | None = None,
     device: str | None = None,
     allow_pickle: bool = False,
-    progress: bool = True,
-) -> RunResult:
-    """fetch → quantize → evaluate → gate → package (→ publish). Raises GateFailed (4)."""
-    from .evaluate import require_pass, write_outputs
-    from .package import package
-
-    out = Path(out)
-    if out.exists():
-        raise UsageError(
-            "the output folder already exists",
-            path=str(out),
-            hint="pass a new --out (artifacts are never overwritten) or delete the old one",
-        )
+    checksums_dir: Path = Path("checksums"),
+) -> RunRecord:
+    """recipe → fetch → tokens → quantize → evaluate → gate → package (→ publish).
+    Raises GateFailed (4) when the gate fails; every error carries the RunRecord."""
+    out = check_out(out)
     recipe = load_recipe(recipe_path)
-    ctx = Context(Path(cache_dir), device=device, progress=progress)
+    ctx = Context(Path(cache_dir), device=device, checksums_dir=Path(checksums_dir))
     reports = report_dir_for(out)
+    rec = RunRecord(model=model, recipe=str(recipe_path), recipe_name=recipe.name,
+                    report_dir=reports)  # fmt: skip
+    try:
+        rec = _run(model, recipe, out, reports, ctx, rec, publish_to, sign_key, allow_pickle)
+    except QshipError as e:
+        rec = _finish(rec, ctx, reports, error=ErrorInfo(**e.to_json()))
+        e.result = rec
+        raise
+    except Exception as e:
+        info = ErrorInfo(error=type(e).__name__, exit_code=1, message=str(e)[:2000])
+        _finish(rec, ctx, reports, error=info)
+        raise
+    return rec
 
+
+def _run(
+    model: str, recipe: Recipe, out: Path, reports: Path, ctx: Context, rec: RunRecord,
+    publish_to: str | None, sign_key: Path | None, allow_pickle: bool,
+) -> RunRecord:  # fmt: skip
+    check_recipe(model, recipe, ctx)
     snap = fetch_stage(model, ctx, allow_pickle=allow_pickle)
     tokens = tokens_stage(snap, recipe, ctx)
-    quantized = quantize_stage(snap, recipe, tokens, ctx)
-    evaluated = evaluate_stage(snap, quantized, recipe, tokens, ctx)
+    qc, qkey = quantize_stage(snap, recipe, tokens, ctx)
+    report = evaluate_stage(snap, qc, qkey, recipe, tokens, ctx)
+    verdict = gate_stage(report, recipe, ctx)
+    write_report_dir(reports, EvalFile.of(report, verdict=verdict, quantize=qc.brief()), qc)
+    rec = rec.model_copy(update={"passed": verdict.passed, "verdict": verdict})
+    gate.require_pass(verdict, where=str(reports / "eval.json"))
 
-    write_outputs(evaluated.eval_json, evaluated.verdict, reports)
-    atomic_write_text(reports / "plan.json", json.dumps(quantized.record["plan"], indent=2) + "\n")
-    # the quantize figures (size, time, peak memory) stay readable when the gate fails and
-    # no artifact is written: `qship compare --collect` of a failed CI job takes them here
-    if isinstance(quantized.record.get("report"), dict):
-        atomic_write_text(
-            reports / "quantize_report.json",
-            json.dumps(quantized.record["report"], indent=2, sort_keys=True, default=str) + "\n",
-        )
-    result = RunResult(
-        None, reports, evaluated.verdict.passed, evaluated.verdict.to_json(), ctx.stages
-    )
-    _write_record(result, reports)
-    require_pass(evaluated.verdict, out_dir=reports, candidate_dir=quantized.path)
+    from .artifact.package import package
 
-    t0 = time.perf_counter()
-    package(
-        model_dir=quantized.path,
-        out=out,
-        recipe_path_or_text=recipe.to_yaml(),  # the resolved recipe, defaults filled in
-        eval_json=evaluated.eval_json,
-        verdict=evaluated.verdict.to_json(),
-        provenance=provenance(snap, recipe, tokens, quantized, ctx),
-        sign_key=sign_key,
-    )
-    ctx.record("package", t0, artifact=str(out))
-    result.out = out
-
+    with ctx.stage("package") as line:
+        art = package(
+            checkpoint=qc, recipe=recipe, evaluation=report, verdict=verdict, out=out,
+            source=snap, quantize_key=qkey, sign_key=sign_key,
+            timings={f"{r.stage}_s": r.seconds for r in ctx.rows},
+        )  # fmt: skip
+        line.note = f"{out} ({len(art.files)} files{', signed' if art.signed else ''})"
+    rec = rec.model_copy(update={"artifact": out})
     if publish_to:
-        from .publish import publish
+        from .artifact.publish import publish
 
-        t0 = time.perf_counter()
-        pub = publish(out, publish_to)
-        ctx.record("publish", t0, target=publish_to)
-        result.published = pub.to_json()
-    _write_record(result, reports)
-    return result
-
-
-def _write_record(result: RunResult, reports: Path) -> None:
-    atomic_write_text(
-        reports / "run.json", json.dumps(result.to_json(), indent=2, default=str) + "\n"
-    )
+        with ctx.stage("publish") as line:
+            pub = publish(out, publish_to)
+            line.note = pub.summary()
+        rec = rec.model_copy(update={"published": pub})
+    return _finish(rec, ctx, reports)
 
 
-def _device_kind(device: str | None) -> str:
-    from .devices import default_device
-
-    return (device or default_device()).split(":")[0]
+def _finish(
+    rec: RunRecord, ctx: Context, reports: Path, error: ErrorInfo | None = None
+) -> RunRecord:
+    rec = rec.model_copy(update={"stages": list(ctx.rows), "error": error})
+    atomic_write_text(reports / "run.json", json.dumps(rec.to_json(), indent=2) + "\n")
+    return rec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the CLI's library log (<cache>/logs/qship.log) goes to a temp folder, not ~/.cache
+os.environ.setdefault("QSHIP_CACHE", tempfile.mkdtemp(prefix="qship-test-cache-"))
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = Path(__file__).parent / "fixtures" / "models"
@@ -33,81 +36,104 @@ def tiny_llama() -> Path:
 
 
 # --- package / verify / publish -------------------------------------------------------
+# The artifact fixtures are made by the code that makes real ones: tiny-llama fetched,
+# quantized by a small RTN recipe (int4 sym g128, lm_head kept, no KV scheme: no
+# calibration pass), evaluated against itself and gated.
+
+PACKAGE_RECIPE = """
+name: w4a16-rtn
+groups:
+  - {name: linear, targets: ['re:.*(self_attn|mlp)\\..*_proj$'], method: rtn,
+     scheme: {bits: 4, symmetric: true, group_size: 128}}
+  - {name: head, targets: [lm_head], method: none}
+calibration: {num_samples: 4, seq_len: 64, batch_size: 4}
+evaluation: {sequences: 4, seq_len: 64, batch_size: 4}
+gates: {kl_mean_max: 5.0, top1_min: 0.05}
+"""
+FAILING_GATES = {"kl_mean_max": 1e-6, "top1_min": 0.999}
 
 
 @pytest.fixture(scope="session")
-def tiny_quantized_dir(tmp_path_factory, tiny_llama) -> Path:
-    """tiny-llama quantized by llm-compressor's oneshot, W4A16 RTN (int4 sym group 128,
-    lm_head unquantized, no calibration data) and saved with save_compressed=True: a real
-    compressed-tensors pack-quantized checkpoint (about 15 s on one CPU thread)."""
-    import torch
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def package_recipe():
+    import yaml
 
-    out = tmp_path_factory.mktemp("quantized") / "tiny-llama-w4a16"
+    from pipeline.recipe import parse_recipe
+
+    return parse_recipe(yaml.safe_load(PACKAGE_RECIPE), path="tests/conftest.py:PACKAGE_RECIPE")
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized(tmp_path_factory, tiny_llama, package_recipe):
+    """(Snapshot, TokenSets, QuantizedCheckpoint) of tiny-llama under PACKAGE_RECIPE."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from pipeline.data.tokens import build_token_sets
+    from pipeline.fetch import fetch
+    from pipeline.quantize import quantize
+
+    work = tmp_path_factory.mktemp("quantized")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16)
-        tok = AutoTokenizer.from_pretrained(str(tiny_llama))
-        recipe = QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
-        oneshot(model=model, recipe=recipe)
-        model.save_pretrained(str(out), save_compressed=True)
-        tok.save_pretrained(str(out))
+        snap = fetch(tiny_llama, cache_dir=work / "cache", checksums_dir=work / "checksums")
+        r = package_recipe
+        tokens = build_token_sets(
+            AutoTokenizer.from_pretrained(snap.path), r.calibration, r.evaluation,
+            cache_dir=work / "cache",
+        )  # fmt: skip
+        qc = quantize(snap.path, r, work / "tiny-llama-w4a16", tokens=tokens, device="cpu")
     finally:
         torch.set_num_threads(threads)
-    return out
-
-
-PACKAGE_RECIPE = (
-    "name: w4a16-rtn\nquant:\n  scheme: W4A16\n  method: rtn\ngates:\n  kl_mean_max: 0.5\n"
-)
-PACKAGE_EVAL = {"kl": {"mean": 0.12, "p99": 0.9}, "top1": 0.81, "ppl_ratio": 1.07}
-PACKAGE_PROVENANCE = {
-    "source": {
-        "repo_id": "qship-tests/tiny-llama",
-        "revision": "0" * 40,
-        "license": "apache-2.0",
-        "files": {"model.safetensors": {"sha256": "1" * 64, "size": 1}},
-    },
-    "calibration": {"sha256": "2" * 64, "samples": 0},
-    "timings": {"quantize_s": 1.0},
-}
-
-
-def package_verdict(passed: bool = True) -> dict:
-    return {
-        "passed": passed,
-        "checks": [
-            {"name": "kl_mean_max", "value": 0.12, "limit": 0.5, "passed": True},
-            {
-                "name": "top1_min",
-                "value": 0.81,
-                "limit": 0.9 if not passed else 0.7,
-                "passed": passed,
-            },
-        ],
-    }
+    return snap, tokens, qc
 
 
 @pytest.fixture(scope="session")
-def package_inputs(tiny_quantized_dir) -> dict:
-    """Keyword arguments for pipeline.package.package(), minus `out`."""
+def tiny_quantized_dir(tiny_quantized) -> Path:
+    return tiny_quantized[2].path
+
+
+@pytest.fixture(scope="session")
+def tiny_evaluation(tmp_path_factory, tiny_quantized):
+    """evaluate() of the tiny quantized checkpoint against tiny-llama (cached mode)."""
+    from pipeline.evaluate import evaluate
+    from pipeline.records import ModelRef
+
+    snap, tokens, qc = tiny_quantized
+    return evaluate(
+        ModelRef(path=snap.path, model_hash=snap.model_hash),
+        ModelRef(path=qc.path, model_hash=qc.model_hash),
+        heldout_ids=tokens.heldout_ids, cache_dir=tmp_path_factory.mktemp("eval-cache"),
+        device="cpu", corpus_source=tokens.info.source,
+    )  # fmt: skip
+
+
+def gated(report, gates=None, recipe=None):
+    """The gate's verdict on `report` (the recipe's gates, or `gates` as a dict)."""
+    from pipeline import gate
+    from pipeline.recipe import Gates
+
+    return gate.check(report, Gates(**gates) if gates is not None else recipe.gates)
+
+
+@pytest.fixture(scope="session")
+def package_inputs(tiny_quantized, tiny_evaluation, package_recipe) -> dict:
+    """Keyword arguments for pipeline.artifact.package.package(), minus `out`."""
+    snap, _tokens, qc = tiny_quantized
     return {
-        "model_dir": tiny_quantized_dir,
-        "recipe_path_or_text": PACKAGE_RECIPE,
-        "eval_json": PACKAGE_EVAL,
-        "verdict": package_verdict(True),
-        "provenance": PACKAGE_PROVENANCE,
+        "checkpoint": qc,
+        "recipe": package_recipe,
+        "evaluation": tiny_evaluation,
+        "verdict": gated(tiny_evaluation, recipe=package_recipe),
+        "source": snap,
         "shard_size": 600_000,  # the 1.5 MB checkpoint becomes 3 shards + index
     }
 
 
 @pytest.fixture(scope="session")
 def packaged_artifact(tmp_path_factory, package_inputs) -> Path:
-    """One artifact packaged from tiny_quantized_dir, shared read-only; copy it to mutate."""
-    from pipeline.package import package
+    """One artifact packaged from tiny_quantized, shared read-only; copy it to mutate."""
+    from pipeline.artifact.package import package
 
     out = tmp_path_factory.mktemp("artifact") / "tiny-llama-w4a16"
     package(out=out, **package_inputs)
@@ -137,11 +163,6 @@ def gemma_snapshot(qship_test_cache, repo_root):
 
     threads = torch.get_num_threads()
     try:
-        return fetch(
-            GEMMA_PKG,
-            cache_dir=qship_test_cache,
-            checksums_dir=repo_root / "checksums",
-            progress=False,
-        )
+        return fetch(GEMMA_PKG, cache_dir=qship_test_cache, checksums_dir=repo_root / "checksums")
     finally:
         torch.set_num_threads(threads)

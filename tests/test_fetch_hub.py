@@ -11,30 +11,18 @@ in transit, a revision that moves after it was pinned, and offline mode.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from pipeline.hashing import Manifest, sha256_file
+from pipeline.io.hashing import Manifest, sha256_file
 from tests.cli_run import qship
 from tests.hub_server import HubServer
 
 REPO = "qship-tests/tiny-llama"
 INTEGRITY = 3
-
-# pipeline/fetch.py imports `.fetch_hub` for hf:// sources; that module is not on main yet.
-# The qship-level tests are strict xfails on exactly that ImportError, so they turn into
-# failures (XPASS strict, or any other error) as soon as the module lands.
-HAS_FETCH_HUB = importlib.util.find_spec("pipeline.fetch_hub") is not None
-needs_fetch_hub = pytest.mark.xfail(
-    not HAS_FETCH_HUB,
-    reason="pipeline/fetch_hub.py (imported by fetch.fetch for hf://) is missing on main",
-    raises=ModuleNotFoundError,
-    strict=True,
-)
 
 
 @pytest.fixture
@@ -184,7 +172,6 @@ def dirs(tmp_path):
     return tmp_path / "qship-cache", checksums
 
 
-@needs_fetch_hub
 def test_hub_good_download_lfs_verified_and_pinned(capsys, hub, tiny_repo, tiny_llama, dirs):
     cache, checksums = dirs
     rc, snap = qship(capsys, *fetch_args(f"hf://{REPO}@main", cache, checksums, "--pin"))
@@ -205,7 +192,6 @@ def test_hub_good_download_lfs_verified_and_pinned(capsys, hub, tiny_repo, tiny_
     assert again["pin_status"] == "pinned" and again["model_hash"] == snap["model_hash"]
 
 
-@needs_fetch_hub
 def test_hub_corrupted_in_transit(capsys, hub, tiny_repo, tiny_llama, dirs):
     cache, checksums = dirs
     true_sha = sha256_file(tiny_llama / "model.safetensors").sha256
@@ -216,7 +202,6 @@ def test_hub_corrupted_in_transit(capsys, hub, tiny_repo, tiny_llama, dirs):
     assert no_entries(cache)
 
 
-@needs_fetch_hub
 def test_hub_moved_revision_fails_closed_until_repinned(capsys, hub, tiny_repo, tiny_llama, dirs):
     cache, checksums = dirs
     rc, snap = qship(capsys, *fetch_args(f"hf://{REPO}@main", cache, checksums, "--pin"))
@@ -234,7 +219,6 @@ def test_hub_moved_revision_fails_closed_until_repinned(capsys, hub, tiny_repo, 
     assert snap_b["revision"] == commit_b
 
 
-@needs_fetch_hub
 def test_hub_offline_from_filled_cache(capsys, hub, tiny_repo, dirs, monkeypatch):
     cache, checksums = dirs
     rc, snap = qship(capsys, *fetch_args(f"hf://{REPO}@main", cache, checksums, "--pin"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.hashing import Manifest, sha256_file
+from pipeline.io.hashing import Manifest, sha256_file
 from tests.cli_run import qship
 
 INTEGRITY = 3

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import IntegrityError
-from pipeline.hashing import (
+from pipeline.io.hashing import (
     CHUNK,
     FileDigest,
     format_sha256sums,
@@ -83,7 +83,7 @@ def _readahead_threads() -> list[threading.Thread]:
 def test_readahead_errors_propagate_and_stop_the_reader(random_files):
     """A read error reaches the caller; so does an error while hashing (here from the
     progress callback), and in both cases no reader thread is left behind."""
-    from pipeline.hashing import _digest_readahead
+    from pipeline.io.hashing import _digest_readahead
 
     class Failing(io.BytesIO):
         def readinto(self, b):
@@ -110,7 +110,7 @@ def test_readahead_errors_propagate_and_stop_the_reader(random_files):
 
 
 def test_hash_files_reads_ahead_only_with_cores_to_spare(random_files, monkeypatch):
-    import pipeline.hashing as hashing
+    import pipeline.io.hashing as hashing
 
     root, contents = random_files
     seen = []

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import kl_stats
+from pipeline.evaluate import kl_stats
 
 
 def _direct(ref: np.ndarray, cand: np.ndarray, nxt: np.ndarray) -> dict:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from pipeline import benchmarks
-from pipeline.reference_cache import model_hash
+from pipeline.evaluate import benchmarks, model_ref
 
 
 def test_task_data_is_built_deterministically(tmp_path, monkeypatch, repo_root):
@@ -31,17 +30,16 @@ def test_local_tasks_offline_and_hub_task_skipped(tiny_llama, tmp_path, monkeypa
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     t0 = time.perf_counter()
     res = benchmarks.compare(
-        tiny_llama,
+        model_ref(tiny_llama),
         tiny_llama,
         tasks=["qship_news_ppl", "qship_lastword"],
         hub_tasks=["arc_easy"],
         limit=8,
         cache_dir=tmp_path,
-        ref_hash=model_hash(tiny_llama),
         device="cpu",
     )
     took = time.perf_counter() - t0
-    t = res["tasks"]
+    t = res.to_json()["tasks"]
     assert (
         t["qship_news_ppl"]["status"] == "ok" and t["qship_news_ppl"]["metric"] == "bits_per_byte"
     )

@@ -15,11 +15,14 @@ import torch
 import yaml
 from safetensors import safe_open
 
-import pipeline.package as P
+import pipeline.artifact.package as P
+import pipeline.artifact.provenance as provenance
+import pipeline.artifact.weights as W
+from pipeline.artifact.verify import verify
 from pipeline.cli import main
 from pipeline.errors import IntegrityError, UsageError
-from pipeline.hashing import parse_sha256sums
-from pipeline.verify import verify
+from pipeline.io.hashing import parse_sha256sums
+from pipeline.records import QshipVersion
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +31,7 @@ def partials(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if ".partial-" in p.name)
 
 
-def test_artifact_layout(packaged_artifact, tiny_quantized_dir):
+def test_artifact_layout(packaged_artifact, tiny_quantized_dir, package_inputs):
     art = packaged_artifact
     names = sorted(p.name for p in art.iterdir())
     shards = [n for n in names if n.endswith(".safetensors")]
@@ -72,34 +75,41 @@ def test_artifact_layout(packaged_artifact, tiny_quantized_dir):
     assert idx["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in src.values())
 
     ev = json.loads((art / "eval.json").read_text())
-    assert ev["verdict"]["passed"] is True and ev["kl"]["mean"] == 0.12
+    assert ev["schema_version"] == 1 and ev["verdict"]["passed"] is True
+    assert ev["metrics"]["kl"]["mean"] == package_inputs["evaluation"].metrics.kl.mean > 0
+    assert ev["quantize"]["name"] == "w4a16-rtn" and 4.0 < ev["quantize"]["bits_per_weight"] < 4.2
     assert ev["probe"]["format"] == "qship-probe-v1" and ev["probe"]["prompt_ids"]
     prov = json.loads((art / "provenance.json").read_text())
-    assert prov["source"]["repo_id"] == "qship-tests/tiny-llama"
-    assert prov["calibration"]["sha256"] == "2" * 64
-    assert len(prov["recipe"]["sha256"]) == 64 and prov["recipe"]["name"] == "w4a16-rtn"
+    snap = package_inputs["source"]
+    assert prov["source"]["repo_id"] == "local/tiny-llama"
+    assert prov["source"]["model_hash"] == snap.model_hash and prov["source"]["files"]
+    assert prov["calibration"]["calib_hash"] == package_inputs["checkpoint"].calibration.calib_hash
+    assert prov["recipe"] == {"name": "w4a16-rtn", "hash": package_inputs["recipe"].hash()}
+    assert (art / "recipe.yaml").read_text() == package_inputs["recipe"].to_yaml()
     assert "model.safetensors" in prov["quantized_checkpoint"]
     assert prov["library_versions"]["llmcompressor"] == "0.14.0.1"
     assert "git_commit" in prov["qship"]
-    assert prov["timings"]["quantize_s"] == 1.0 and "package.package_s" in prov["timings"]
+    assert "package.package_s" in prov["timings"]
 
 
-def test_model_card(packaged_artifact):
+def test_model_card(packaged_artifact, package_inputs):
     text = (packaged_artifact / "README.md").read_text()
     assert text.startswith("---\n")
     front = yaml.safe_load(text.split("---\n")[1])
-    assert front["base_model"] == "qship-tests/tiny-llama"
-    assert front["license"] == "apache-2.0"
+    assert front["base_model"] == "local/tiny-llama"
+    assert front["license"] == "other"  # the tiny model declares none
     assert {"qship", "quantized", "compressed-tensors", "int4"} <= set(front["tags"])
-    assert "| kl_mean_max | 0.12 | 0.5 | yes |" in text
-    assert "| kl.mean | 0.12 |" in text
+    kl = package_inputs["evaluation"].metrics.kl
+    assert f"| kl_mean_max | {kl.mean:.6g} | <= 5 | yes |" in text
+    assert f"| KL(reference ‖ quantized), mean ± stderr | {kl.mean:.6g} ± {kl.stderr:.6g} |" in text
     assert "PASSED" in text
     assert 'kv_cache_dtype="fp8"' in text and "AutoModelForCausalLM.from_pretrained" in text
 
 
 def test_deterministic(package_inputs, tmp_path, monkeypatch):
     """Package twice: byte-identical except provenance.json timings (and its SHA256SUMS line)."""
-    monkeypatch.setattr(P, "_qship_commit", lambda: {"git_commit": "f" * 40, "dirty": False})
+    fixed = QshipVersion(version="0", git_commit="f" * 40, dirty=False)
+    monkeypatch.setattr(provenance, "qship_version", lambda: fixed)
     a = P.package(out=tmp_path / "a", **package_inputs).path
     time.sleep(0.05)
     b = P.package(out=tmp_path / "b", **package_inputs).path
@@ -121,7 +131,7 @@ def test_single_shard_and_signing(package_inputs, tmp_path):
     from test_verify import ec_keypair
 
     priv, pub = ec_keypair(tmp_path, "k")
-    inputs = {**package_inputs, "shard_size": P.DEFAULT_SHARD_SIZE}
+    inputs = {**package_inputs, "shard_size": W.DEFAULT_SHARD_SIZE}
     art = P.package(out=tmp_path / "one", sign_key=priv, **inputs)
     names = sorted(p.name for p in art.path.iterdir())
     assert "model.safetensors" in names and "model.safetensors.index.json" not in names
@@ -142,6 +152,10 @@ def test_existing_output_is_never_overwritten(package_inputs, tmp_path):
     assert partials(tmp_path) == []
 
 
+def _with_path(inputs: dict, path: Path) -> dict:
+    return {**inputs, "checkpoint": inputs["checkpoint"].model_copy(update={"path": path})}
+
+
 def test_bad_inputs(package_inputs, tiny_quantized_dir, tmp_path):
     import shutil
 
@@ -150,7 +164,7 @@ def test_bad_inputs(package_inputs, tiny_quantized_dir, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg.pop("quantization_config")
     (bad / "config.json").write_text(json.dumps(cfg))
-    inputs = {**package_inputs, "model_dir": bad}
+    inputs = _with_path(package_inputs, bad)
     with pytest.raises(UsageError, match="quantization_config"):
         P.package(out=tmp_path / "o1", **inputs)
 
@@ -165,15 +179,12 @@ def test_bad_inputs(package_inputs, tiny_quantized_dir, tmp_path):
     shutil.copytree(tiny_quantized_dir, notok)
     (notok / "tokenizer.json").unlink()
     with pytest.raises(UsageError, match="tokenizer"):
-        P.package(out=tmp_path / "o6", **{**package_inputs, "model_dir": notok})
-
-    with pytest.raises(UsageError, match="verdict"):
-        P.package(out=tmp_path / "o3", **{**package_inputs, "verdict": {"checks": []}})
-    with pytest.raises(UsageError, match="YAML"):
-        P.package(out=tmp_path / "o4", **{**package_inputs, "recipe_path_or_text": "a: [1\n"})
+        P.package(out=tmp_path / "o6", **_with_path(package_inputs, notok))
     with pytest.raises(UsageError, match="not found"):
-        P.package(out=tmp_path / "o5", **{**package_inputs, "recipe_path_or_text": "nope.yaml"})
-    for o in ("o1", "o2", "o3", "o4", "o5", "o6"):
+        P.package(out=tmp_path / "o3", **_with_path(package_inputs, tmp_path / "absent"))
+    with pytest.raises(UsageError, match="shard_size"):
+        P.package(out=tmp_path / "o4", **{**package_inputs, "shard_size": 0})
+    for o in ("o1", "o2", "o3", "o4", "o6"):
         assert not (tmp_path / o).exists()
     assert partials(tmp_path) == []
 
@@ -189,12 +200,15 @@ def test_failure_inside_leaves_nothing(package_inputs, tmp_path, monkeypatch):
 
 
 KILL_SCRIPT = r"""
-import json, sys, time
+import pickle, sys, time
 from pathlib import Path
-import pipeline.package as P
+import pipeline.artifact.package as P
+import pipeline.artifact.weights as W
 
-point, marker, args = sys.argv[1], Path(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text())
-orig = getattr(P, point)
+point, marker = sys.argv[1], Path(sys.argv[2])
+args = pickle.loads(Path(sys.argv[3]).read_bytes())
+mod = W if point == "_copy_tensor_data" else P
+orig = getattr(mod, point)
 calls = [0]
 
 def hang(*a, **k):
@@ -204,17 +218,17 @@ def hang(*a, **k):
         time.sleep(300)
     return orig(*a, **k)
 
-setattr(P, point, hang)
-P.package(out=Path(args.pop("out")), model_dir=Path(args.pop("model_dir")), **args)
+setattr(mod, point, hang)
+P.package(**args)
 """
 
 
 @pytest.mark.parametrize("point", ["_copy_tensor_data", "fingerprint"])
 def test_sigkill_mid_package_then_rerun(package_inputs, tmp_path, point):
+    import pickle
+
     out = tmp_path / "reg" / "art"
-    args = {k: (str(v) if isinstance(v, Path) else v) for k, v in package_inputs.items()}
-    args["out"] = str(out)
-    (tmp_path / "args.json").write_text(json.dumps(args))
+    (tmp_path / "args.json").write_bytes(pickle.dumps({**package_inputs, "out": out}))
     (tmp_path / "kill.py").write_text(KILL_SCRIPT)
     marker = tmp_path / "marker"
     proc = subprocess.Popen(
@@ -250,29 +264,31 @@ def test_sigkill_mid_package_then_rerun(package_inputs, tmp_path, point):
 
 
 def test_cli_package(package_inputs, tmp_path, capsys):
-    ev = {**package_inputs["eval_json"], "verdict": package_inputs["verdict"]}
-    (tmp_path / "eval.json").write_text(json.dumps(ev))
-    (tmp_path / "recipe.yaml").write_text(package_inputs["recipe_path_or_text"])
-    (tmp_path / "prov.json").write_text(json.dumps(package_inputs["provenance"]))
-    argv = [
-        "package",
-        "--model-dir",
-        str(package_inputs["model_dir"]),
-        "--recipe",
-        str(tmp_path / "recipe.yaml"),
-        "--eval",
-        str(tmp_path / "eval.json"),
-        "--provenance",
-        str(tmp_path / "prov.json"),
-        "--out",
-        str(tmp_path / "art"),
-        "--json",
-    ]
+    """qship package from the files quantize and evaluate leave: quantize_report.json beside
+    the checkpoint, eval.json with the verdict, the recipe, and fetch's --json record."""
+    from pipeline.records import EvalFile
+
+    ev = EvalFile.of(package_inputs["evaluation"], verdict=package_inputs["verdict"])
+    (tmp_path / "eval.json").write_text(json.dumps(ev.to_json()))
+    (tmp_path / "recipe.yaml").write_text(package_inputs["recipe"].to_yaml())
+    (tmp_path / "snap.json").write_text(json.dumps(package_inputs["source"].to_json()))
+    argv = ["package", "--model-dir", str(package_inputs["checkpoint"].path),
+            "--recipe", str(tmp_path / "recipe.yaml"), "--eval", str(tmp_path / "eval.json"),
+            "--snapshot", str(tmp_path / "snap.json"), "--out", str(tmp_path / "art"), "--json"]  # fmt: skip
     capsys.readouterr()
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["verdict_passed"] is True and out["shards"] == ["model.safetensors"]
+    assert out["passed"] is True and out["shards"] == ["model.safetensors"]
+    prov = json.loads((tmp_path / "art" / "provenance.json").read_text())
+    assert prov["source"]["model_hash"] == package_inputs["source"].model_hash
     assert main(argv) == 2  # second time: output exists
     err = json.loads(capsys.readouterr().out)
     assert err["exit_code"] == 2 and err["path"] == str(tmp_path / "art")
     assert main(["verify", str(tmp_path / "art")]) == 0
+    # an eval.json without a verdict, or not a record at all: exit 2, nothing written
+    (tmp_path / "eval.json").write_text(json.dumps({**ev.to_json(), "verdict": None}))
+    argv[argv.index("--out") + 1] = str(tmp_path / "art2")
+    assert main(argv) == 2 and "verdict" in json.loads(capsys.readouterr().out)["message"]
+    (tmp_path / "eval.json").write_text(json.dumps({"kl": 0.1}))
+    assert main(argv) == 2 and "EvalFile" in json.loads(capsys.readouterr().out)["message"]
+    assert not (tmp_path / "art2").exists()

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from pipeline.plan import Plan, plan_for_dir, weight_storage_bits
+from pipeline.quantize.plan import plan_for_dir, weight_storage_bits
 from pipeline.recipe import load_recipe
+from pipeline.records import ModuleScheme, Plan
 
 ROOT = Path(__file__).resolve().parent.parent
 R = ROOT / "recipes"
@@ -31,20 +32,26 @@ def test_mixed_plan_assigns_every_linear(model, request):
     for m in plan.modules:
         assert m.group == _expect_group(m.name), m.name
         if m.group == "attention":
-            assert m.method == "awq" and m.scheme == {
+            assert m.method == "awq" and m.scheme.to_json() == {
                 "bits": 4,
                 "symmetric": False,
                 "group_size": 128,
+                "observer": None,
             }
         elif m.group == "mlp":
-            assert m.method == "gptq" and m.scheme == {
+            assert m.method == "gptq" and m.scheme.to_json() == {
                 "bits": 4,
                 "symmetric": True,
                 "group_size": 128,
+                "observer": None,
             }
         else:
             assert m.name == "lm_head" and m.method == "none" and m.scheme is None
-    assert plan.kv_cache == {"scheme": "fp8_e4m3", "strategy": "tensor", "dynamic": False}
+    assert plan.kv_cache.model_dump() == {
+        "scheme": "fp8_e4m3",
+        "strategy": "tensor",
+        "dynamic": False,
+    }
     assert plan.decoder_layers == [f"model.layers.{i}" for i in range(LAYERS)]
     # AWQ mappings only for the attention group: never touching the MLP
     assert plan.mappings and all(
@@ -95,33 +102,33 @@ def test_non_awq_recipes_have_no_mappings(tiny_gemma):
 def test_bits_per_weight_and_size(tiny_gemma, tiny_llama):
     # int4 sym g128: 4 + 16/128 bits per weight (+ the 64-bit weight_shape per module)
     assert weight_storage_bits(
-        128, 1024, {"bits": 4, "symmetric": True, "group_size": 128}, 16
+        128, 1024, ModuleScheme(bits=4, symmetric=True, group_size=128), 16
     ) == (128 * 1024 * 4 + 128 * 8 * 16 + 64)
     # asym adds a packed 4-bit zero point per group
     assert weight_storage_bits(
-        128, 1024, {"bits": 4, "symmetric": False, "group_size": 128}, 16
+        128, 1024, ModuleScheme(bits=4, symmetric=False, group_size=128), 16
     ) == (128 * 1024 * 4 + 128 * 8 * 20 + 64)
     gptq = plan_for_dir(tiny_gemma, load_recipe(R / "gptq-w4.yaml"))
-    assert 4.125 < gptq.bits_per_weight["quantized"] < 4.13
+    assert 4.125 < gptq.bits_per_weight.quantized < 4.13
     awq = plan_for_dir(tiny_gemma, load_recipe(R / "awq-w4.yaml"))
-    assert 4.156 < awq.bits_per_weight["quantized"] < 4.162
+    assert 4.156 < awq.bits_per_weight.quantized < 4.162
     mixed = plan_for_dir(tiny_gemma, load_recipe(R / "gemma-mixed-w4.yaml"))
     assert (
-        gptq.bits_per_weight["quantized"]
-        < mixed.bits_per_weight["quantized"]
-        < awq.bits_per_weight["quantized"]
+        gptq.bits_per_weight.quantized
+        < mixed.bits_per_weight.quantized
+        < awq.bits_per_weight.quantized
     )
     w8 = plan_for_dir(tiny_gemma, load_recipe(R / "w8-int8.yaml"))
-    assert 8.1 < w8.bits_per_weight["quantized"] < 8.2  # per-channel scale: 16/in bits
+    assert 8.1 < w8.bits_per_weight.quantized < 8.2  # per-channel scale: 16/in bits
     # Gemma's lm_head is tied to the embedding: stored once, not counted as a Linear
     head = mixed.by_name()["lm_head"]
     assert head.tied and head.stored_bytes == 0
-    assert mixed.bits_per_weight["linear"] == mixed.bits_per_weight["quantized"]
+    assert mixed.bits_per_weight.linear == mixed.bits_per_weight.quantized
     # Llama's is not tied: it counts at 16 bits
     ll = plan_for_dir(tiny_llama, load_recipe(R / "gemma-mixed-w4.yaml"))
-    assert not ll.by_name()["lm_head"].tied and ll.bits_per_weight["linear"] > 6
+    assert not ll.by_name()["lm_head"].tied and ll.bits_per_weight.linear > 6
     # checkpoint: embeddings 2048x128 bf16 + norms + packed linears < dense
-    assert 2048 * 128 * 2 < mixed.expected_checkpoint_bytes < mixed.params["dense_bytes"]
+    assert 2048 * 128 * 2 < mixed.expected_checkpoint_bytes < mixed.params.dense_bytes
 
 
 def test_plan_cli_json_and_table(tiny_gemma, capsys):

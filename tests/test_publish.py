@@ -11,12 +11,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import FAILING_GATES, gated
 from test_verify import ec_keypair, resum
 
-import pipeline.package as P
+from pipeline.artifact.package import package
+from pipeline.artifact.publish import publish
 from pipeline.cli import main
 from pipeline.errors import GateFailed, IntegrityError, UsageError
-from pipeline.publish import publish
 
 
 def registry_state(reg: Path) -> list[str]:
@@ -34,10 +35,9 @@ def cli(args: list[str], capsys) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def failed_artifact(tmp_path_factory, package_inputs) -> Path:
     out = tmp_path_factory.mktemp("failed") / "failed-art"
-    verdict = json.loads(json.dumps(package_inputs["verdict"]))
-    verdict["passed"] = False
-    verdict["checks"][1].update(limit=0.9, passed=False)  # top1 0.81 < 0.9
-    P.package(out=out, **{**package_inputs, "verdict": verdict})
+    verdict = gated(package_inputs["evaluation"], FAILING_GATES)
+    assert not verdict.passed
+    package(out=out, **{**package_inputs, "verdict": verdict})
     return out
 
 
@@ -113,7 +113,7 @@ def test_publish_refuses_tampered_artifact(packaged_artifact, tmp_path, capsys):
     shutil.copytree(packaged_artifact, art2)
     ev = json.loads((art2 / "eval.json").read_text())
     ev["verdict"]["passed"] = True
-    ev["kl"]["mean"] = 0.0
+    ev["metrics"]["kl"]["mean"] = 0.0
     (art2 / "eval.json").write_text(json.dumps(ev))
     with pytest.raises(IntegrityError) as e:
         publish(art2, f"file://{reg}")
@@ -129,7 +129,7 @@ def test_publish_require_signature(packaged_artifact, tmp_path):
         publish(packaged_artifact, f"file://{reg}", require_signature=True, pubkey=pub_a)
     art = tmp_path / "art"
     shutil.copytree(packaged_artifact, art)
-    from pipeline.verify import sign_artifact
+    from pipeline.artifact.signing import sign_artifact
 
     sign_artifact(art, priv_b)  # signed, but by another key
     with pytest.raises(IntegrityError, match="signature verification failed"):

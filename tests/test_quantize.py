@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,15 @@ import yaml
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.calibration import build_token_sets
 from pipeline.cli import main
+from pipeline.data.tokens import build_token_sets
 from pipeline.errors import StageError
-from pipeline.plan import Plan, load_meta_model
-from pipeline.quantize import REPORT, quantize, verify_saved_config
+from pipeline.model.checkpoint import inspect_checkpoint
+from pipeline.model.loading import load_meta_model
+from pipeline.quantize import quantize
+from pipeline.quantize.checks import check_against_plan
 from pipeline.recipe import load_recipe
+from pipeline.records import Plan, QuantizedCheckpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 R = ROOT / "recipes"
@@ -81,7 +85,7 @@ def quantized(work, tokens):
         if key not in done:
             r = _small(recipe_name)
             out = work / f"{Path(model_dir).name}--{recipe_name}"
-            done[key] = quantize(model_dir, r, out, token_sets=tokens(model_dir, r), device="cpu")
+            done[key] = quantize(model_dir, r, out, tokens=tokens(model_dir, r), device="cpu")
         return done[key]
 
     return get
@@ -128,7 +132,9 @@ def test_recipe_quantizes_as_planned(model, recipe_name, request, quantized):
     out = res.path
     plan = res.plan
     # the saved config carries exactly the planned scheme for every Linear
-    assert _config_schemes(out) == {m.name: m.scheme for m in plan.modules}
+    planned = {m.name: m.scheme.model_dump(exclude={"observer"}) if m.scheme else None
+               for m in plan.modules}  # fmt: skip
+    assert _config_schemes(out) == planned
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "pack-quantized"
     assert (qc.get("kv_cache_scheme") is not None) == (plan.kv_cache is not None)
@@ -141,20 +147,21 @@ def test_recipe_quantizes_as_planned(model, recipe_name, request, quantized):
         (f"{lay}.self_attn.k_scale" in keys) == bool(plan.kv_cache) for lay in plan.decoder_layers
     )
     # report: per-module GPTQ error, AWQ per-mapping loss reduction, per-layer time, memory
-    rep = json.loads((out / REPORT).read_text())
+    rep = QuantizedCheckpoint.read(out)
+    assert rep is not None and rep.model_dump(exclude={"path"}) == res.model_dump(exclude={"path"})
     gptq_mods = {m.name for m in plan.modules if m.method == "gptq"}
-    assert set(rep["gptq"]) == gptq_mods
-    assert all(v["error"] >= 0 for v in rep["gptq"].values())
-    assert [a["smooth"] for a in rep["awq"]] == [mp.smooth for mp in plan.applied_mappings()]
-    assert all(a["best_error"] <= a["initial_error"] for a in rep["awq"])
+    assert set(rep.gptq) == gptq_mods
+    assert all(v >= 0 for v in rep.gptq.values())
+    assert [a.smooth for a in rep.awq] == [mp.smooth for mp in plan.applied_mappings()]
+    assert all(a.best_error <= a.initial_error for a in rep.awq)
     if plan.applied_mappings() or gptq_mods or plan.kv_cache:
-        layers = [x["layer"] for x in rep["layers"] if x["layer"].startswith("model.layers")]
+        layers = [x.layer for x in rep.layers if x.layer.startswith("model.layers")]
         assert layers == plan.decoder_layers
-    assert rep["peak_memory"]["peak_rss_bytes"] > 0
-    assert rep["reload_check"]["logits_finite"]
+    assert rep.peak_memory.peak_rss_bytes > 0
+    assert rep.checks.checked_modules == len(plan.modules) and rep.checks.reload_probe_tokens > 0
     # size matches the plan's estimate within 3 % (safetensors header, metadata)
     assert (
-        abs(rep["checkpoint"]["bytes"] - plan.expected_checkpoint_bytes)
+        abs(rep.checkpoint.bytes - plan.expected_checkpoint_bytes)
         < 0.03 * plan.expected_checkpoint_bytes
     )
     # tokenizer and generation config travel with the checkpoint
@@ -200,27 +207,25 @@ def test_mixed_has_lower_kl_than_rtn_with_same_schemes(model, request, quantized
 
 def test_silent_override_is_caught(quantized, tiny_gemma):
     res = quantized(tiny_gemma, "gemma-mixed-w4")
-    tampered = Plan.from_json(res.plan.to_json())
-    victim = next(m for m in tampered.modules if m.name == "model.layers.1.mlp.up_proj")
-    victim.scheme = {
-        "bits": 4,
-        "symmetric": False,
-        "group_size": 128,
-    }  # what an AWQ-group override would give
-    with pytest.raises(StageError) as ei:
-        verify_saved_config(res.path, tampered, load_meta_model(res.path))
-    assert (
-        "model.layers.1.mlp.up_proj" in ei.value.message
-        and "differs from the planned" in ei.value.message
-    )
-    kept = Plan.from_json(res.plan.to_json())
-    next(m for m in kept.modules if m.name == "model.layers.0.self_attn.q_proj").scheme = None
+    insp = inspect_checkpoint(res.path)
+
+    def with_scheme(name: str, scheme) -> Plan:
+        mods = [m.model_copy(update={"scheme": scheme}) if m.name == name else m
+                for m in res.plan.modules]  # fmt: skip
+        return res.plan.model_copy(update={"modules": mods})
+
+    check_against_plan(insp, res.plan, where="x")  # the real plan holds
+    up = "model.layers.1.mlp.up_proj"
+    asym = res.plan.by_name()[up].scheme.model_copy(update={"symmetric": False})
+    with pytest.raises(StageError) as ei:  # what an AWQ-group override would give
+        check_against_plan(insp, with_scheme(up, asym), where="x")
+    assert up in ei.value.message and "differs from the planned" in ei.value.message
     with pytest.raises(StageError, match="model.layers.0.self_attn.q_proj was planned to stay"):
-        verify_saved_config(res.path, kept, load_meta_model(res.path))
+        check_against_plan(insp, with_scheme("model.layers.0.self_attn.q_proj", None), where="x")
 
 
 def test_failed_check_leaves_nothing(tiny_gemma, tmp_path, tokens, monkeypatch):
-    import pipeline.quantize as q
+    import pipeline.quantize.engine as q
 
     def boom(out_dir, ids, device="cpu"):
         raise StageError("reloaded checkpoint gives non-finite logits (first non-finite output: x)")
@@ -230,7 +235,7 @@ def test_failed_check_leaves_nothing(tiny_gemma, tmp_path, tokens, monkeypatch):
     r.kv_cache = None
     out = tmp_path / "out"
     with pytest.raises(StageError):
-        quantize(tiny_gemma, r, out, token_sets=tokens(tiny_gemma, r), device="cpu")
+        quantize(tiny_gemma, r, out, tokens=tokens(tiny_gemma, r), device="cpu")
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
@@ -244,9 +249,11 @@ def test_quantize_cli(tiny_gemma, tmp_path, capsys):
     args = ["quantize", "--model", str(tiny_gemma), "--recipe", str(p), "--out", str(out)]
     assert main([*args, "--cache-dir", str(tmp_path / "c"), "--json"]) == 0
     cap = capsys.readouterr()
-    res = json.loads(cap.out)  # stdout holds only the JSON (library logs go to stderr)
-    assert res["path"] == str(out) and res["report"]["config_check"]["checked_modules"] == 29
-    assert "[4/4 layers] model.layers.3 done" in cap.err  # per-layer progress on stderr
+    res = json.loads(cap.out)  # stdout holds only the JSON (library output goes to the log)
+    assert res["path"] == str(out) and res["checks"]["checked_modules"] == 29
+    assert "✓ quantize" in cap.err and "Loading weights" not in cap.err
+    log = (Path(os.environ["QSHIP_CACHE"]) / "logs" / "qship.log").read_text()
+    assert "[4/4 layers] model.layers.3 done" in log  # per-layer lines in the log
     # the output exists now: a second run is a usage error, nothing overwritten
     assert main([*args, "--cache-dir", str(tmp_path / "c"), "--json"]) == 2
     assert "already exists" in json.loads(capsys.readouterr().out)["message"]
@@ -265,8 +272,8 @@ def test_mse_observer_is_used_and_recorded(tiny_gemma, quantized, tokens, work):
     for g in r.groups:
         if g.scheme:
             g.scheme.observer = "mse"
-    res = quantize(tiny_gemma, r, work / "gptq-mse", token_sets=tokens(tiny_gemma, r), device="cpu")
-    assert all(m.scheme.get("observer") == "mse" for m in res.plan.modules if m.scheme)
+    res = quantize(tiny_gemma, r, work / "gptq-mse", tokens=tokens(tiny_gemma, r), device="cpu")
+    assert all(m.scheme.observer == "mse" for m in res.plan.modules if m.scheme)
     qc = json.loads((res.path / "config.json").read_text())["quantization_config"]
     assert {g["weights"]["observer"] for g in qc["config_groups"].values()} == {"mse"}
     base = quantized(tiny_gemma, "gptq-w4").path
@@ -295,7 +302,7 @@ def test_awq_grid_search_drops_attention_weights_per_batch():
 
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    from pipeline.quantize import awq_lean_grid_search
+    from pipeline.quantize.patches import awq_lean_grid_search
 
     class Parent(torch.nn.Module):
         def __init__(self):
@@ -332,7 +339,7 @@ def test_awq_grid_search_streams_quantized_outputs(tiny_gemma, tokens, work, mon
     the batch before last in its recycled result tuple while the next batch is made."""
     import weakref
 
-    import pipeline.quantize as q
+    import pipeline.quantize.engine as q
 
     r = _small("gemma-mixed-w4")
     r.calibration.batch_size = 2  # 16 samples -> 8 batches
@@ -358,7 +365,7 @@ def test_awq_grid_search_streams_quantized_outputs(tiny_gemma, tokens, work, mon
 
         with monkeypatch.context() as m:
             m.setattr(modeling_gemma3.Gemma3Attention, "__init__", init)
-            res = quantize(tiny_gemma, r, work / name, token_sets=ts, device="cpu")
+            res = quantize(tiny_gemma, r, work / name, tokens=ts, device="cpu")
         with safe_open(str(res.path / "model.safetensors"), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         return peak[0], tensors
@@ -379,8 +386,8 @@ def test_awq_cache_offload_option(tiny_gemma):
     model): the default recipe measured best that way (bench/RESULTS.md)."""
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    from pipeline.plan import build_plan
-    from pipeline.quantize import build_modifiers
+    from pipeline.quantize.modifiers import build_modifiers
+    from pipeline.quantize.plan import build_plan
 
     meta = load_meta_model(tiny_gemma)
 

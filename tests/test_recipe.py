@@ -12,8 +12,10 @@ import yaml
 
 from pipeline.cli import main
 from pipeline.errors import RecipeError
-from pipeline.plan import load_meta_model
-from pipeline.recipe import load_recipe, parse_recipe, validate_for_model
+from pipeline.model.loading import load_meta_model
+from pipeline.quantize.validate import validate_for_model
+from pipeline.recipe import load_recipe, parse_recipe
+from pipeline.records import ModuleScheme
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -68,7 +70,10 @@ def test_all_recipes_load_with_gates_and_comment():
         assert r.hash() == load_recipe(p).hash()
         assert len(r.hash()) == 64
     default = load_recipe(ROOT / "recipes" / "gemma-mixed-w4.yaml")
-    methods = {g.name: (g.method, g.scheme and g.scheme.label()) for g in default.groups}
+    methods = {
+        g.name: (g.method, g.scheme and ModuleScheme(**g.scheme.model_dump()).label())
+        for g in default.groups
+    }
     assert methods == {
         "attention": ("awq", "int4 asym g128"),
         "mlp": ("gptq", "int4 sym g128"),
@@ -248,19 +253,19 @@ def test_yaml_syntax_and_missing_file(tmp_path):
 def test_best_4bit_recipe_plans_within_its_budget_on_gemma(gemma_snapshot):
     """The sensitivity-derived recipe (bench/RESULTS.md) on the real Gemma 3 270M: at most
     4.20 bits per quantized weight, exactly its six v_proj at int8, the rest int4 asym."""
-    from pipeline.plan import plan_for_dir
+    from pipeline.quantize.plan import plan_for_dir
 
     plan = plan_for_dir(
         Path(gemma_snapshot.path), load_recipe(ROOT / "recipes" / "gptq-w4a-mse-sens6.yaml")
     )
-    bpw = plan.bits_per_weight["quantized"]
+    bpw = plan.bits_per_weight.quantized
     assert 4.156 < bpw <= 4.20, bpw
     q = [m for m in plan.modules if m.scheme]
-    int8 = sorted(m.name for m in q if m.scheme["bits"] == 8)
+    int8 = sorted(m.name for m in q if m.scheme.bits == 8)
     assert len(int8) == 6 and all(n.endswith("self_attn.v_proj") for n in int8)
     assert all(
-        m.scheme == {"bits": 4, "symmetric": False, "group_size": 128, "observer": "mse"}
+        m.scheme.to_json() == {"bits": 4, "symmetric": False, "group_size": 128, "observer": "mse"}
         for m in q
-        if m.scheme["bits"] == 4
+        if m.scheme.bits == 4
     )
     assert len(q) == 18 * 7

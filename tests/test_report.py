@@ -10,66 +10,40 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from factories import eval_file
 from PIL import Image
 
-from pipeline import kl_stats
 from pipeline.cli import main
-from pipeline.compare import collect, compare_block, matrix, row_from_file
-from pipeline.errors import UsageError
-from pipeline.report import (
-    KL_HIST_EDGES,
-    REPORT_FILES,
+from pipeline.compare.compare import collect, matrix
+from pipeline.compare.output import REPORT_FILES, write_report
+from pipeline.compare.report import (
     best_by_width,
     best_per_column,
     best_recipe,
-    kl_histogram,
     pareto_front,
-    row_from_eval,
     summarise_rows,
-    write_report,
 )
+from pipeline.compare.rows import row, row_from_file
+from pipeline.errors import UsageError
+from pipeline.evaluate.kl_stats import KL_HIST_EDGES, kl_histogram
+from pipeline.records import Check, EvalFile, Probe, Verdict
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
+TASKS = {
+    "tiny_mc": {"status": "ok", "metric": "acc", "reference": {"value": 0.6},
+                "candidate": {"value": 0.5}, "drop": 0.1},
+    "hub_task": {"status": "skipped", "reason": "offline"},
+}  # fmt: skip
 
 
-def fake_eval(name: str, bits: float, scale: float, passed: bool, seed: int = 0) -> dict:
-    """An eval.json as compare writes it: evaluate's summary + verdict + compare block."""
-    rng = np.random.default_rng(seed)
-    n = 2000
-    kl = rng.lognormal(np.log(scale) - 1.5, 1.5, n)
-    metrics = kl_stats.summarise(
-        kl, rng.random(n) < 0.8, rng.random(n) * 3, rng.random(n) * 3.1, rng.normal(0, 0.01, n)
-    )
-    ev = {"metrics": metrics}
-    ev["benchmarks"] = {
-        "tasks": {
-            "tiny_mc": {
-                "status": "ok",
-                "metric": "acc",
-                "reference": {"value": 0.6},
-                "candidate": {"value": 0.5 + 0.01 * seed},
-                "drop": 0.1 - 0.01 * seed,
-            },
-            "hub_task": {"status": "skipped", "reason": "offline"},
-        }
-    }
-    ev["verdict"] = {
-        "passed": passed,
-        "checks": [
-            {"name": "kl_mean_max", "value": metrics["kl"]["mean"], "limit": 0.3, "passed": passed}
-        ],
-    }
-    qrep = {
-        "recipe": name,
-        "recipe_hash": f"{seed:064x}",
-        "checkpoint": {"bits_per_weight_quantized": bits, "bytes": int(bits * 1e5)},
-        "timings": {"total": 1.5 + seed},
-        "peak_memory": {"peak_rss_bytes": 10**9 + seed},
-    }
-    ev["compare"] = compare_block(
-        name=name, recipe=f"recipes/{name}.yaml", quantize_report=qrep, kl_tokens=kl
-    )
-    return ev
+def fake_eval(name: str, bits: float, scale: float, passed: bool, seed: int = 0) -> EvalFile:
+    """An eval.json as compare writes it (records built from synthetic per-token KL)."""
+    tasks = json.loads(json.dumps(TASKS))
+    tasks["tiny_mc"]["candidate"]["value"] += 0.01 * seed
+    probe = eval_file(name, bits, scale, None, seed=seed, tasks=tasks)
+    check = Check(name="kl_mean_max", value=probe.metrics.kl.mean, limit=0.3, op="<=",
+                  passed=passed)  # fmt: skip
+    return probe.model_copy(update={"verdict": Verdict(passed=passed, checks=[check])})
 
 
 RECIPES = [
@@ -81,7 +55,7 @@ RECIPES = [
 
 
 @pytest.fixture
-def evals() -> list[dict]:
+def evals() -> list[EvalFile]:
     return [fake_eval(n, b, s, p, seed=i) for i, (n, b, s, p) in enumerate(RECIPES)]
 
 
@@ -119,15 +93,15 @@ def test_histogram_is_fixed_and_complete():
 
 def test_row_maps_eval_json(evals):
     ev = evals[0]
-    r = row_from_eval(ev)
+    r = row(ev)
     assert r["name"] == "gptq-w4" and r["recipe"] == "recipes/gptq-w4.yaml"
-    m = ev["metrics"]
-    assert r["kl_mean"] == m["kl"]["mean"] and r["kl_p99"] == m["kl"]["p99"]
-    assert r["top1"] == m["top1_agreement"] and r["ppl_ratio"] == m["ppl_ratio"]
+    m = ev.metrics
+    assert r["kl_mean"] == m.kl.mean and r["kl_p99"] == m.kl.p99
+    assert r["top1"] == m.top1_agreement and r["ppl_ratio"] == m.ppl_ratio
     assert r["bits_per_weight"] == 4.125 and r["size_bytes"] == 412500
     assert r["quantize_s"] == 1.5 and r["peak_mem_bytes"] == 10**9
     assert r["passed"] is True and r["tasks"] == {"tiny_mc": 0.5}
-    assert sum(r["kl_hist"]["counts"]) + r["kl_hist"]["zero"] == m["tokens"]
+    assert sum(r["kl_hist"]["counts"]) + r["kl_hist"]["zero"] == m.tokens
 
 
 def test_selection_rules():
@@ -150,13 +124,13 @@ def test_selection_rules():
 
 
 def test_duplicate_names_refused(evals):
-    rows = [row_from_eval(evals[0]), row_from_eval(evals[0])]
+    rows = [row(evals[0]), row(evals[0])]
     with pytest.raises(UsageError, match="same recipe name"):
         summarise_rows(rows)
 
 
 def test_report_files_md_csv_json(evals, tmp_path):
-    rows = [row_from_eval(e) for e in evals]
+    rows = [row(e) for e in evals]
     rep = write_report(rows, tmp_path)
     for f in REPORT_FILES:
         assert (tmp_path / f).is_file(), f
@@ -179,7 +153,7 @@ def test_report_files_md_csv_json(evals, tmp_path):
 
 
 def test_html_self_contained_and_pngs_valid(evals, tmp_path):
-    write_report([row_from_eval(e) for e in evals], tmp_path)
+    write_report([row(e) for e in evals], tmp_path)
     for png in ("pareto.png", "kl_distribution.png"):
         _check_png((tmp_path / png).read_bytes())
     text = (tmp_path / "compare.html").read_text()
@@ -199,7 +173,7 @@ def test_html_self_contained_and_pngs_valid(evals, tmp_path):
 
 
 def test_report_is_deterministic(evals, tmp_path):
-    rows = [row_from_eval(e) for e in evals]
+    rows = [row(e) for e in evals]
     write_report(rows, tmp_path / "a")
     write_report(list(reversed(rows)), tmp_path / "b")
     for f in REPORT_FILES:
@@ -207,7 +181,7 @@ def test_report_is_deterministic(evals, tmp_path):
 
 
 def test_recipes_without_histogram_still_plot(evals, tmp_path):
-    rows = [row_from_eval(e) for e in evals]
+    rows = [row(e) for e in evals]
     for r in rows:
         r["kl_hist"] = None
     write_report(rows, tmp_path)
@@ -250,16 +224,17 @@ def test_matrix_refuses_duplicate_names(tmp_path, repo_root):
     )
 
 
-def _write_jobs(root: Path, evals: list[dict]) -> None:
+def _write_jobs(root: Path, evals: list[EvalFile]) -> None:
     for ev in evals:
-        d = root / f"eval-{ev['compare']['name']}"  # one folder per downloaded CI artifact
+        assert ev.quantize is not None
+        d = root / f"eval-{ev.quantize.name}"  # one folder per downloaded CI artifact
         d.mkdir(parents=True)
-        (d / "eval.json").write_text(json.dumps(ev))
+        (d / "eval.json").write_text(json.dumps(ev.to_json()))
 
 
 def test_collect_equals_direct_report(evals, tmp_path, capsys):
     _write_jobs(tmp_path / "jobs", evals)
-    direct = write_report([row_from_eval(e) for e in evals], tmp_path / "direct")
+    direct = write_report([row(e) for e in evals], tmp_path / "direct")
     rc = main(
         ["compare", "--collect", str(tmp_path / "jobs"), "--out", str(tmp_path / "rep"), "--json"]
     )
@@ -271,109 +246,67 @@ def test_collect_equals_direct_report(evals, tmp_path, capsys):
         assert (tmp_path / "rep" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
 
 
-def test_collect_several_dirs_and_none_passing(evals, tmp_path):
-    failing = [e for e in evals if not e["verdict"]["passed"]]
+def test_collect_several_dirs_and_none_passing(evals, tmp_path, capsys):
+    failing = [e for e in evals if e.verdict and not e.verdict.passed]
     _write_jobs(tmp_path / "j1", failing[:1])
     _write_jobs(tmp_path / "j2", failing[1:])
-    rc = main(
-        [
-            "compare",
-            "--collect",
-            str(tmp_path / "j1"),
-            str(tmp_path / "j2"),
-            "--out",
-            str(tmp_path / "rep"),
-        ]
-    )
-    assert rc == 4  # nothing to ship; the report is still written
-    rep = json.loads((tmp_path / "rep" / "compare.json").read_text())
+    args = ["compare", "--collect", str(tmp_path / "j1"), str(tmp_path / "j2")]
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "rep"), "--json"]) == 4  # nothing to ship
+    out = json.loads(capsys.readouterr().out)  # one object: the error and the result
+    assert out["exit_code"] == 4 and out["result"]["best"] is None
+    rep = json.loads((tmp_path / "rep" / "compare.json").read_text())  # still written
     assert rep["best"] is None and len(rep["rows"]) == 2
     assert (
         main(["compare", "--collect", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
     )
 
 
-def test_collect_without_compare_block_reads_siblings(evals, tmp_path):
-    """An eval.json from another command: figures from quantize_report.json / files beside it."""
-    ev = dict(evals[0])
-    block = ev.pop("compare")
+def test_collect_eval_without_quantize_figures_and_bad_files(evals, tmp_path, capsys):
+    """`qship evaluate` on a folder that quantize did not write: a row named by its folder,
+    with no size figures; a file that is not a qship record is exit 2, naming it."""
     d = tmp_path / "art"
     d.mkdir()
-    (d / "eval.json").write_text(json.dumps(ev))
-    (d / "model.safetensors").write_bytes(b"x" * 1234)
+    bare = evals[0].model_copy(update={"quantize": None})
+    (d / "eval.json").write_text(json.dumps(bare.to_json()))
     r = row_from_file(d / "eval.json")
-    assert r["name"] == "art" and r["size_bytes"] == 1234 and r["bits_per_weight"] is None
-    (d / "quantize_report.json").write_text(
-        json.dumps(
-            {
-                "recipe": "gptq-w4",
-                "checkpoint": {"bits_per_weight_quantized": 4.125, "bytes": 99},
-                "timings": {"total": 2.0},
-            }
-        )
-    )
-    r = row_from_file(d / "eval.json")
-    assert (r["name"], r["bits_per_weight"], r["size_bytes"], r["quantize_s"]) == (
-        "gptq-w4",
-        4.125,
-        99,
-        2.0,
-    )
-    assert r["kl_mean"] == row_from_eval({**ev, "compare": block})["kl_mean"]
+    assert r["name"] == "art" and r["bits_per_weight"] is None and r["size_bytes"] is None
+    assert r["kl_mean"] == evals[0].metrics.kl.mean
     res = collect([d], tmp_path / "rep")
-    # evaluate stores the per-token histogram itself: a CI job's eval.json plots as well
-    h = res.report["rows"][0]["kl_hist"]
-    assert h == ev["metrics"]["kl_hist"] and sum(h["counts"]) + h["zero"] == ev["metrics"]["tokens"]
+    assert res.recipes == ["art"] and res.best == "art"
+    h = json.loads((tmp_path / "rep" / "compare.json").read_text())["rows"][0]["kl_hist"]
+    assert sum(h["counts"]) + h["zero"] == evals[0].metrics.tokens
+    (d / "eval.json").write_text(json.dumps({"metrics": {"kl": {"mean": 0.1}}}))
+    capsys.readouterr()
+    assert main(["compare", "--collect", str(d), "--out", str(tmp_path / "r2"), "--json"]) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert err["path"] == str(d / "eval.json") and "EvalFile" in err["message"]
 
 
 def test_collect_qship_run_layout(evals, tmp_path):
     """What a CI job running `qship run --out results/NAME` uploads: the report folder
-    NAME.report (eval.json, plan.json, run.json; always) and the artifact NAME (eval.json,
-    provenance.json, weights; only when the gate passed). One row per recipe, figures from
-    those files, best_dir = the artifact to publish."""
+    NAME.report (always) and the artifact NAME (only when the gate passed), both with the
+    same eval.json. One row per recipe; best_dir = the artifact to publish."""
     for ev in evals[:2]:  # gptq-w4 passed, rtn-w4 failed
-        name = ev["compare"]["name"]
-        plain = {k: v for k, v in ev.items() if k != "compare"}
+        assert ev.quantize is not None and ev.verdict is not None
+        name = ev.quantize.name
         job = tmp_path / "results" / f"qship-{name}"
         rep = job / f"{name}.report"
         rep.mkdir(parents=True)
-        (rep / "eval.json").write_text(json.dumps(plain))
-        (rep / "plan.json").write_text(
-            json.dumps(
-                {
-                    "recipe_name": name,
-                    "bits_per_weight": {"quantized": ev["compare"]["bits_per_weight"]},
-                    "expected_checkpoint_bytes": 777,
-                }
-            )
-        )
-        (rep / "run.json").write_text(
-            json.dumps({"stages": [{"stage": "quantize", "recipe": name, "seconds": 0.1}]})
-        )
-        if plain["verdict"]["passed"]:
+        (rep / "eval.json").write_text(json.dumps(ev.to_json()))
+        if ev.verdict.passed:
             art = job / name
             art.mkdir()
-            (art / "eval.json").write_text(json.dumps({**plain, "probe": {}}))
-            (art / "model.safetensors").write_bytes(b"x" * 4321)
-            (art / "provenance.json").write_text(
-                json.dumps(
-                    {
-                        "recipe_sha256_resolved": "ab" * 32,
-                        "quantize": {"seconds": 12.5, "peak_memory": {"peak_rss_bytes": 5}},
-                    }
-                )
+            probe = Probe(prompt_ids=[1], top_k=1, top_ids=[[2]], top_logits=[[0.5]])
+            (art / "eval.json").write_text(
+                json.dumps(ev.model_copy(update={"probe": probe}).to_json())
             )
     res = collect([tmp_path / "results"], tmp_path / "report")
-    rows = {r["name"]: r for r in res.report["rows"]}
+    rows = {
+        r["name"]: r for r in json.loads((tmp_path / "report" / "compare.json").read_text())["rows"]
+    }
     assert sorted(rows) == ["gptq-w4", "rtn-w4"]
-    g, r = rows["gptq-w4"], rows["rtn-w4"]
-    assert (g["size_bytes"], g["quantize_s"], g["peak_mem_bytes"], g["bits_per_weight"]) == (
-        4321,
-        12.5,
-        5,
-        4.125,
-    )
-    assert g["recipe_hash"] == "ab" * 32 and g["passed"] is True
-    assert (r["size_bytes"], r["quantize_s"], r["passed"]) == (777, None, False)  # no artifact
-    assert res.to_json()["best"] == "gptq-w4"
-    assert res.to_json()["best_dir"] == str(tmp_path / "results" / "qship-gptq-w4" / "gptq-w4")
+    assert rows["gptq-w4"]["size_bytes"] == evals[0].quantize.size_bytes
+    assert rows["gptq-w4"]["passed"] is True and rows["rtn-w4"]["passed"] is False
+    assert res.best == "gptq-w4"
+    assert res.best_dir == str(tmp_path / "results" / "qship-gptq-w4" / "gptq-w4")

@@ -12,9 +12,9 @@ import torch
 import yaml
 from cli_run import qship
 
-from pipeline.plan import plan_for_dir
+from pipeline.compare.sensitivity import rtn_weight
+from pipeline.quantize.plan import plan_for_dir
 from pipeline.recipe import load_recipe
-from pipeline.sensitivity import rtn_weight
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,8 +51,10 @@ def test_rtn_weight_equals_llm_compressor_rounding(tiny_gemma, symmetric):
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_gemma), dtype=torch.float32)
     orig = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.endswith("proj")}
-    scheme = {"bits": 4, "symmetric": symmetric, "group_size": 128}
-    from pipeline.quantize import qargs
+    from pipeline.quantize.modifiers import qargs
+    from pipeline.records import ModuleScheme
+
+    scheme = ModuleScheme(bits=4, symmetric=symmetric, group_size=128)
 
     qm = QuantizationModifier(
         config_groups={"g": {"targets": ["Linear"], "weights": qargs(scheme)}}, ignore=["lm_head"]
@@ -78,7 +80,7 @@ def test_sensitivity_ranks_modules_and_writes_upgraded_recipe(
     out_json = tmp_path / "sens.json"
     new = tmp_path / "rtn-sens.yaml"
     base_plan = plan_for_dir(tiny_gemma, load_recipe(small_rtn))
-    base_bpw = base_plan.bits_per_weight["quantized"]
+    base_bpw = base_plan.bits_per_weight.quantized
     budget = round(base_bpw + 0.5, 3)
     rc, res = qship(
         capsys,
@@ -107,7 +109,7 @@ def test_sensitivity_ranks_modules_and_writes_upgraded_recipe(
     plan = plan_for_dir(tiny_gemma, up)
     by = plan.by_name()
     assert sorted(w["upgraded"]) == sorted(
-        n for n, m in by.items() if m.scheme and m.scheme["bits"] == 8
+        n for n, m in by.items() if m.scheme and m.scheme.bits == 8
     )
     assert rows[0]["name"] in w["upgraded"] or rows[0]["params"] > rows[-1]["params"]
     for name, m in base_plan.by_name().items():  # everything else as in the base recipe
@@ -151,7 +153,7 @@ def test_write_recipe_needs_budget_and_keeps_existing_file(tiny_gemma, small_rtn
 
 
 def test_upgrade_of_exact_name_targets_lists_the_remaining_modules(tiny_gemma):
-    from pipeline.sensitivity import upgrade_recipe
+    from pipeline.compare.sensitivity import upgrade_recipe
 
     data = {
         "name": "all-linear",

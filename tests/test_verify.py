@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.artifact.signing import SIGNATURE, sign_artifact
+from pipeline.artifact.verify import verify
 from pipeline.cli import main
 from pipeline.errors import IntegrityError, UsageError
-from pipeline.hashing import format_sha256sums, sha256_file
-from pipeline.verify import SIGNATURE, sign_artifact, verify
+from pipeline.io.hashing import format_sha256sums, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -380,10 +381,10 @@ def test_load_smoke_test(packaged_artifact, tmp_path, capsys):
 
 
 def test_load_without_stored_probe(package_inputs, tmp_path):
-    from pipeline.package import package
+    from pipeline.artifact.package import package
 
     art = package(out=tmp_path / "noprobe", probe=False, **package_inputs).path
-    assert "probe" not in json.loads((art / "eval.json").read_text())
+    assert json.loads((art / "eval.json").read_text())["probe"] is None
     assert verify(art).ok
     with pytest.raises(IntegrityError) as e:
         verify(art, load=True)
@@ -394,65 +395,43 @@ def test_load_without_stored_probe(package_inputs, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mixed_artifact(tmp_path_factory, tiny_llama):
-    """A real mixed checkpoint: attention int4 asym (packed zero points), MLP int4 sym,
-    regex targets, FP8 KV cache with static scales (calibrated on 8 x 64 tokens)."""
+def mixed_artifact(tmp_path_factory, tiny_llama, package_inputs):
+    """A real mixed checkpoint made by qship: attention int4 asym (packed zero points), MLP
+    int4 sym, regex targets, FP8 KV cache with static scales, evaluated and gated."""
     import torch
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import yaml
+    from conftest import gated
 
-    from pipeline.package import package
+    from pipeline.artifact.package import package
+    from pipeline.evaluate import evaluate
+    from pipeline.quantize import quantize
+    from pipeline.recipe import parse_recipe
+    from pipeline.records import ModelRef
 
     d = tmp_path_factory.mktemp("mixed")
+    data = yaml.safe_load((ROOT / "recipes" / "rtn-w4.yaml").read_text())
+    data.update(calibration={"num_samples": 4, "seq_len": 64, "batch_size": 4},
+                evaluation={"sequences": 4, "seq_len": 64, "batch_size": 4},
+                gates={"kl_mean_max": 5.0})  # fmt: skip
+    recipe = parse_recipe(data, path="rtn-w4 (small)")
+    snap = package_inputs["source"]
+    from transformers import AutoTokenizer
+
+    from pipeline.data.tokens import build_token_sets
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16)
-        tok = AutoTokenizer.from_pretrained(str(tiny_llama))
-
-        def w(sym):
-            return {
-                "num_bits": 4,
-                "type": "int",
-                "symmetric": sym,
-                "strategy": "group",
-                "group_size": 128,
-            }
-
-        recipe = QuantizationModifier(
-            config_groups={
-                "attn": {"targets": [r"re:.*self_attn\.(q|k|v|o)_proj$"], "weights": w(False)},
-                "mlp": {"targets": [r"re:.*mlp\.(gate|up|down)_proj$"], "weights": w(True)},
-            },
-            kv_cache_scheme={
-                "num_bits": 8,
-                "type": "float",
-                "strategy": "tensor",
-                "dynamic": False,
-                "symmetric": True,
-            },
-            ignore=["lm_head"],
-        )
-        ids = [[(i * 7 + j * 13) % 2000 + 4 for j in range(64)] for i in range(8)]
-        ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 64] * 8})
-        oneshot(
-            model=model, recipe=recipe, dataset=ds, num_calibration_samples=8, max_seq_length=64
-        )
-        model.save_pretrained(str(d / "model"), save_compressed=True)
-        tok.save_pretrained(str(d / "model"))
+        tokens = build_token_sets(AutoTokenizer.from_pretrained(snap.path), recipe.calibration,
+                                  recipe.evaluation, cache_dir=d / "cache")  # fmt: skip
+        qc = quantize(snap.path, recipe, d / "model", tokens=tokens, device="cpu")
+        report = evaluate(ModelRef(path=snap.path, model_hash=snap.model_hash),
+                          ModelRef(path=qc.path, model_hash=qc.model_hash),
+                          heldout_ids=tokens.heldout_ids, cache_dir=d / "cache", device="cpu")  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    verdict = {"passed": True, "checks": []}
-    return package(
-        model_dir=d / "model",
-        out=d / "art",
-        recipe_path_or_text="name: mixed\n",
-        eval_json={},
-        verdict=verdict,
-        provenance={},
-    ).path
+    return package(checkpoint=qc, recipe=recipe, evaluation=report,
+                   verdict=gated(report, recipe=recipe), out=d / "art", source=snap).path  # fmt: skip
 
 
 def test_mixed_checkpoint_verifies_and_is_checked_strictly(mixed_artifact, tmp_path, capsys):

@@ -1,0 +1,204 @@
+"""`qship verify ARTIFACT`: the pre-deploy gate, usable without the rest of qship.
+
+Checks, in order (every problem of a group is collected; any problem is an IntegrityError,
+exit 3, whose `path` is the first offending file and whose message lists them all):
+
+1. the artifact is a real directory; nothing inside is a symlink or a special file;
+2. `SHA256SUMS` parses (coreutils format; relative paths only, no `..`, no duplicates),
+   every listed file exists and matches, and every file present is listed, except
+   `SHA256SUMS` itself and the signature `model.sig`. A renamed file shows up as one
+   missing and one extra file; both are named;
+3. the required files are there, and eval.json / provenance.json are the records this
+   version of qship writes (eval.json with a verdict);
+4. the weights against config.json: the shared checkpoint validator
+   (pipeline.model.checkpoint, which quantize's post-save check uses too);
+5. the signature when `model.sig` exists and a public key is given, or when required;
+6. with `load=True`, a smoke test: load with transformers, run the stored probe and compare
+   it with the fingerprint in eval.json (probe.py).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from ..errors import IntegrityError, UsageError
+from ..io.hashing import hash_files, parse_sha256sums
+from ..io.problems import Problems, read_json_object
+from ..model.checkpoint import inspect_checkpoint
+from ..model.files import TOKENIZER_KEYS
+from ..records.artifact import Provenance, VerifyReport
+from ..records.evaluation import EvalFile
+from .probe import compare_fingerprint, probe_logits
+from .signing import SIGNATURE, check_signature
+
+SUMS = "SHA256SUMS"
+REQUIRED = ("config.json", "eval.json", "provenance.json", "recipe.yaml", "README.md")
+MAX_SUMS_BYTES = 16 * 1024 * 1024
+HINT = "do not deploy this artifact; re-package it (qship package) from its inputs"
+
+
+def scan_tree(root: Path, problems: Problems) -> list[str]:
+    """Regular files below root (sorted relpaths); symlinks and special files are problems."""
+    out = []
+
+    def unreadable(err: OSError) -> None:
+        rel = Path(err.filename).relative_to(root).as_posix() if err.filename else "."
+        problems.add(rel, f"cannot be listed ({err.strerror})")
+
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=unreadable):
+        base = Path(dirpath)
+        for name in sorted(dirnames + filenames):
+            p = base / name
+            rel = p.relative_to(root).as_posix()
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                problems.add(rel, f"is a symlink (-> {os.readlink(p)}); artifacts hold plain files")
+            elif stat.S_ISREG(st.st_mode):
+                out.append(rel)
+            elif not stat.S_ISDIR(st.st_mode):
+                problems.add(rel, "is not a regular file")
+    return sorted(out)
+
+
+def check_sums(root: Path, checks: list[str]) -> dict[str, str]:
+    """SHA256SUMS complete and matching, no extra file, no symlink, the required files."""
+    problems = Problems(root, hint=HINT)
+    if root.is_symlink() or not root.is_dir():
+        raise IntegrityError("artifact is not a directory (or is a symlink)", path=str(root))
+    present = scan_tree(root, problems)
+    sums_path = root / SUMS
+    if SUMS not in present:
+        problems.add(SUMS, "missing: the artifact has no checksum list")
+        problems.raise_if_any("integrity check")
+    if sums_path.stat().st_size > MAX_SUMS_BYTES:
+        problems.add(SUMS, f"larger than {MAX_SUMS_BYTES} bytes")
+        problems.raise_if_any("integrity check")
+    listed = parse_sha256sums(sums_path.read_bytes(), where=str(sums_path))
+    for rel in (SUMS, SIGNATURE):
+        if rel in listed:
+            problems.add(SUMS, f"lists {rel!r}, which is never covered by SHA256SUMS")
+    others = [r for r in present if r not in (SUMS, SIGNATURE)]
+    missing = sorted(set(listed) - set(others) - {SUMS, SIGNATURE})
+    extra = sorted(set(others) - set(listed))
+    digests = hash_files(root, [r for r in others if r in listed or r in extra])
+    by_hash = {}
+    for rel in extra:
+        by_hash.setdefault(digests[rel].sha256, []).append(rel)
+    for rel in missing:
+        renamed = [e for e in by_hash.get(listed[rel], [])]
+        also = f" (renamed to {', '.join(renamed)}?)" if renamed else ""
+        problems.add(rel, f"listed in SHA256SUMS but absent{also}")
+    for rel in extra:
+        was = [m for m in missing if listed[m] == digests[rel].sha256]
+        also = f" (renamed from {', '.join(was)}?)" if was else ""
+        problems.add(rel, f"present but not listed in SHA256SUMS (extra file){also}")
+    for rel in sorted(set(listed) & set(others)):
+        if digests[rel].sha256 != listed[rel]:
+            problems.add(rel, f"sha256 {digests[rel].sha256} != {listed[rel]} listed in SHA256SUMS")
+    for rel in REQUIRED:
+        if rel not in present and rel not in missing:
+            problems.add(rel, "required file absent (and not listed in SHA256SUMS)")
+    if not any(r in present for r in TOKENIZER_KEYS):
+        problems.add("tokenizer.json", f"no tokenizer (one of {', '.join(TOKENIZER_KEYS)})")
+    if not any(r.endswith(".safetensors") for r in present):
+        problems.add("model.safetensors", "no *.safetensors weight file in the artifact")
+    problems.raise_if_any("integrity check")
+    checks.append(f"SHA256SUMS: {len(listed)} files listed, all present and matching")
+    checks.append("no symlinks, no unlisted files, no unsafe paths")
+    return listed
+
+
+def read_eval(root: Path) -> EvalFile:
+    """The artifact's eval.json as a record (IntegrityError when it is not one)."""
+    p = Problems(root, hint=HINT)
+    data = read_json_object(root / "eval.json", p, "eval.json")
+    p.raise_if_any("record check")
+    return EvalFile.from_json(data, where=str(root / "eval.json"), error=IntegrityError)
+
+
+def check_records(root: Path, checks: list[str]) -> EvalFile:
+    """eval.json is an EvalFile with a verdict; provenance.json a Provenance."""
+    ev = read_eval(root)
+    if ev.verdict is None:
+        raise IntegrityError("eval.json has no verdict", path=str(root / "eval.json"), hint=HINT)
+    p = Problems(root, hint=HINT)
+    prov = read_json_object(root / "provenance.json", p, "provenance.json")
+    p.raise_if_any("record check")
+    Provenance.from_json(prov, where=str(root / "provenance.json"), error=IntegrityError)
+    checks.append(f"eval.json verdict: {'passed' if ev.verdict.passed else 'FAILED'}")
+    return ev
+
+
+def check_weights(root: Path, checks: list[str]) -> int:
+    insp = inspect_checkpoint(root, hint=HINT)
+    checks.append(
+        f"{insp.tensors} tensors consistent with config.json ({insp.architecture}) and its "
+        f"quantization_config; scales finite and positive"
+    )
+    return insp.tensors
+
+
+def check_load(root: Path, ev: EvalFile, checks: list[str], *, atol: float) -> None:
+    if ev.probe is None:
+        raise IntegrityError(
+            "eval.json has no probe fingerprint (qship-probe-v1)",
+            path=str(root / "eval.json"),
+            hint="re-package with qship package (it stores the probe)",
+        )
+    try:
+        logits = probe_logits(root, ev.probe.prompt_ids)
+    except Exception as e:  # noqa: BLE001 - a model that does not load fails the gate
+        raise IntegrityError(
+            f"transformers could not load and run the model ({type(e).__name__}: {str(e)[:300]})",
+            path=str(root / "config.json"),
+        ) from e
+    try:
+        mismatches = compare_fingerprint(ev.probe, logits, atol=atol)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise IntegrityError(
+            f"malformed probe fingerprint ({type(e).__name__}: {str(e)[:200]})",
+            path=str(root / "eval.json"),
+        ) from e
+    p = Problems(root, hint=HINT)
+    for msg in mismatches:
+        p.add("eval.json", f"probe mismatch: {msg}")
+    p.raise_if_any("load smoke test")
+    checks.append(f"loaded with transformers; probe of {len(ev.probe.prompt_ids)} tokens matched")
+
+
+def verify(
+    artifact: Path,
+    *,
+    require_signature: bool = False,
+    pubkey: Path | None = None,
+    load: bool = False,
+    atol: float = 0.05,
+) -> VerifyReport:
+    """Run every check; raise IntegrityError (exit 3) on the first failing group."""
+    root = Path(artifact)
+    if not root.exists():
+        raise UsageError("artifact directory not found", path=str(root))
+    checks: list[str] = []
+    listed = check_sums(root, checks)
+    ev = check_records(root, checks)
+    tensors = check_weights(root, checks)
+    signature = check_signature(root, pubkey=Path(pubkey) if pubkey else None,
+                                require=require_signature)  # fmt: skip
+    warnings = []
+    if signature == "verified":
+        checks.append(f"signature {SIGNATURE} valid for {Path(str(pubkey)).name}")
+    elif signature == "present-unverified":
+        warnings.append(f"{SIGNATURE} present but not verified (no --pubkey given)")
+    if load:
+        check_load(root, ev, checks, atol=atol)
+    return VerifyReport(
+        path=str(root),
+        files=len(listed) + 1 + (signature != "absent"),
+        tensors=tensors,
+        signature=signature,  # type: ignore[arg-type]
+        load="matched" if load else "skipped",
+        checks=checks,
+        warnings=warnings,
+    )

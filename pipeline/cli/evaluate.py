@@ -1,0 +1,72 @@
+"""qship evaluate"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import log
+from ..records.evaluation import EvalFile
+from .common import CacheOpt, DeviceOpt, JsonOpt, cache_root, check_dtype
+
+
+def evaluate_cmd(
+    reference: Annotated[Path, typer.Option("--reference", help="Unquantized checkpoint dir.")],
+    candidate: Annotated[Path, typer.Option("--candidate", help="Quantized checkpoint dir.")],
+    recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML (evaluation + gates).")],
+    out: Annotated[Path | None, typer.Option("--out", help="Where eval.json / eval.md go.")] = None,
+    exact: Annotated[
+        bool,
+        typer.Option("--exact", help="Full-vocabulary KL, reference and candidate in lockstep."),
+    ] = False,
+    topk: Annotated[
+        int | None,
+        typer.Option("--topk", min=1, help="Reference tokens stored per position (cached mode)."),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="Compute dtype of both models: bfloat16 / float16 / float32 "
+            "(default: the checkpoint's on a GPU, float32 on the CPU).",
+        ),
+    ] = None,
+    device: DeviceOpt = None,
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> EvalFile:
+    """KL / top-1 / ppl vs the reference on held-out tokens, lm-eval scores, gate (exit 4)."""
+    from transformers import AutoTokenizer
+
+    from .. import gate
+    from ..data.tokens import build_token_sets
+    from ..evaluate import DEFAULT_TOPK, evaluate, model_ref, write_outputs
+    from ..recipe import load_recipe
+    from ..records.checkpoint import QuantizedCheckpoint
+
+    check_dtype(dtype)
+    r = load_recipe(recipe)
+    root = cache_root(cache_dir)
+    ev = r.evaluation
+    with log.stage("tokens") as line:
+        tok = AutoTokenizer.from_pretrained(reference)
+        ts = build_token_sets(tok, r.calibration, ev, cache_dir=root)
+        line.note = ts.info.summary()
+    with log.stage("evaluate") as line:
+        report = evaluate(
+            model_ref(reference), model_ref(candidate), heldout_ids=ts.heldout_ids,
+            cache_dir=root, tasks=ev.tasks, hub_tasks=ev.hub_tasks, limit=ev.limit,
+            batch_size=ev.batch_size, exact=exact, topk=topk or DEFAULT_TOPK, device=device,
+            dtype=dtype, corpus_source=ts.info.source, corpus_hash=ts.info.corpus_hash,
+        )  # fmt: skip
+        line.note = report.summary()
+    verdict = gate.check(report, r.gates)
+    qc = QuantizedCheckpoint.read(candidate)  # present when `qship quantize` wrote it
+    result = EvalFile.of(report, verdict=verdict, quantize=qc.brief() if qc else None)
+    out = out or Path("out") / "eval" / candidate.name
+    write_outputs(result, out)
+    log.info(verdict.summary(), style=None if verdict.passed else "red")
+    gate.require_pass(verdict, where=str(out / "eval.json"), result=result)
+    return result

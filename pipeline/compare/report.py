@@ -1,0 +1,299 @@
+"""The recipe comparison report: per-recipe rows -> compare.md / .json / .csv / .png / .html.
+
+Pure: rows in, text out; it runs no model. rows.py builds the rows from eval.json records
+(in process, or from the eval.json files of CI jobs); plots.py and html.py render the rest
+and output.py writes every file.
+
+Row schema (one per recipe; every figure may be None when the stage did not report it):
+
+    name             recipe name (unique in a report)
+    recipe           recipe file as given
+    recipe_hash      sha256 of the resolved recipe
+    passed           gate verdict (bool or None)
+    checks           [{name, value, limit, passed}]   the gate's checks
+    bits_per_weight  storage bits per quantized Linear weight (scales, zero points included)
+    size_bytes       bytes of the checkpoint's *.safetensors
+    quantize_s       wall time of the quantize stage (s)
+    peak_mem_bytes   peak memory of the quantize stage
+    peak_mem_kind    "cuda_max_allocated" (GPU, reset per quantize) or "process_peak_rss"
+                     (CPU: the process's high-water mark, so in one process it also covers
+                     the recipes run before it)
+    tokens           scored held-out tokens
+    kl_mean kl_stderr kl_median kl_p90 kl_p99 kl_p999 kl_max    KL(ref||quant), nats/token
+    top1             top-1 agreement with the reference
+    ppl_reference ppl_candidate ppl_ratio
+    tasks            {task: score}          benchmark scores (lm-eval)
+    kl_hist          {"edges": [...], "counts": [...], "zero": n} per-token KL histogram on
+                     the fixed log bins KL_HIST_EDGES (None when no per-token values exist)
+    source           where the row came from (eval.json path), informative only
+
+"Best" recipe (the one CI publishes): lowest mean KL among the recipes whose gate passed;
+a tie goes to fewer bits per weight, then to the name.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import UsageError
+
+SCHEMA = "qship.compare/1"
+
+
+# (key, header, format, direction): direction "min"/"max"/"one" (closest to 1) or None
+COLUMNS: list[tuple[str, str, str, str | None]] = [
+    ("bits_per_weight", "bits/weight", "{:.3f}", "min"),
+    ("size_bytes", "size MB", "mb", "min"),
+    ("quantize_s", "quantize s", "{:.1f}", "min"),
+    ("peak_mem_bytes", "peak mem MB", "mb", "min"),
+    ("kl_mean", "KL mean", "{:.4g}", "min"),
+    ("kl_stderr", "± stderr", "{:.2g}", None),
+    # the same candidate with its FP8 KV rounding off: the difference is the KV cache's cost
+    ("kl_mean_kv_off", "KL mean, KV off", "{:.4g}", None),
+    ("kl_median", "KL median", "{:.4g}", "min"),
+    ("kl_p99", "KL p99", "{:.4g}", "min"),
+    ("kl_max", "KL max", "{:.4g}", "min"),
+    ("top1", "top-1", "{:.4f}", "max"),
+    ("ppl_ratio", "ppl ratio", "{:.4f}", "one"),
+]
+
+SCALARS = [
+    "bits_per_weight",
+    "size_bytes",
+    "quantize_s",
+    "peak_mem_bytes",
+    "tokens",
+    "kl_mean",
+    "kl_stderr",
+    "kl_mean_kv_off",
+    "kl_median",
+    "kl_p90",
+    "kl_p99",
+    "kl_p999",
+    "kl_max",
+    "top1",
+    "ppl_reference",
+    "ppl_candidate",
+    "ppl_ratio",
+]
+
+
+# ------------------------------------------------------------------ selection
+
+
+def pareto_front(rows: list[dict], x: str = "bits_per_weight", y: str = "kl_mean") -> list[str]:
+    """Names of the rows no other row beats on both x and y (lower is better), by x."""
+    pts = [(r[x], r[y], r["name"]) for r in rows if r.get(x) is not None and r.get(y) is not None]
+    front = []
+    for xi, yi, n in pts:
+        dominated = any(
+            (xj <= xi and yj <= yi) and (xj < xi or yj < yi) for xj, yj, m in pts if m != n
+        )
+        if not dominated:
+            front.append((xi, yi, n))
+    return [n for _, _, n in sorted(front)]
+
+
+def best_recipe(rows: list[dict]) -> str | None:
+    """Lowest mean KL among passing recipes; tie -> fewer bits per weight, then name."""
+    ok = [r for r in rows if r.get("passed") is True and r.get("kl_mean") is not None]
+    if not ok:
+        return None
+    inf = float("inf")
+    ok.sort(
+        key=lambda r: (
+            r["kl_mean"],
+            r["bits_per_weight"] if r.get("bits_per_weight") is not None else inf,
+            r["name"],
+        )
+    )
+    return ok[0]["name"]
+
+
+def best_by_width(rows: list[dict]) -> dict[str, str]:
+    """The best passing recipe (best_recipe's rule) per weight width: the integer part of
+    its bits per weight ("4" for 4.125 or 4.196, "8" for 8.02), so that an 8-bit recipe's
+    lower KL does not hide which 4-bit recipe wins."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("bits_per_weight") is not None:
+            by.setdefault(str(int(r["bits_per_weight"])), []).append(r)
+    out = {w: best_recipe(rs) for w, rs in sorted(by.items(), key=lambda kv: int(kv[0]))}
+    return {w: n for w, n in out.items() if n}
+
+
+def _task_names(rows: list[dict]) -> list[str]:
+    return sorted({t for r in rows for t in (r.get("tasks") or {})})
+
+
+def columns(rows: list[dict]) -> list[tuple[str, str, str, str | None]]:
+    cols = [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    cols += [(f"task:{t}", t, "{:.4f}", "max") for t in _task_names(rows)]
+    return cols
+
+
+def value(row: dict, key: str) -> Any:
+    if key.startswith("task:"):
+        return (row.get("tasks") or {}).get(key[5:])
+    return row.get(key)
+
+
+def best_per_column(rows: list[dict]) -> dict[str, list[str]]:
+    """{column key: names of the rows holding the best value} (ties all marked)."""
+    out: dict[str, list[str]] = {}
+    for key, _h, _f, direction in columns(rows):
+        if direction is None:
+            continue
+        vals = [(value(r, key), r["name"]) for r in rows if value(r, key) is not None]
+        if len(vals) < 2:
+            continue
+
+        def score(v: float, d: str = direction) -> float:
+            if d == "max":
+                return -v
+            if d == "one":
+                return abs(math.log(v)) if v > 0 else float("inf")
+            return v
+
+        best = min(score(v) for v, _ in vals)
+        out[key] = [n for v, n in vals if score(v) == best]
+    return out
+
+
+def summarise_rows(rows: list[dict]) -> dict:
+    """compare.json: rows plus the derived selections (no timestamps: same rows, same bytes)."""
+    names = [r["name"] for r in rows]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise UsageError(
+            f"two results carry the same recipe name {dup[0]!r}",
+            path=str(dup[0]),
+            hint="give every recipe its own `name:`",
+        )
+    rows = sorted(rows, key=lambda r: r["name"])
+    return {
+        "schema": SCHEMA,
+        "recipes": [r["name"] for r in rows],
+        "best": best_recipe(rows),
+        "best_by_width": best_by_width(rows),
+        "best_rule": "lowest kl_mean among passing recipes; tie -> fewer bits_per_weight",
+        "pareto_bits_vs_kl": pareto_front(rows),
+        "best_per_column": best_per_column(rows),
+        "rows": rows,
+    }
+
+
+# ------------------------------------------------------------------ text formats
+
+
+def fmt(v: Any, f: str) -> str:
+    if v is None:
+        return "–"
+    if f == "mb":
+        return f"{v / 1e6:.2f}"
+    if isinstance(v, int) and "f" not in f and "g" not in f:
+        return str(v)
+    return f.format(v)
+
+
+def verdict_text(r: dict) -> str:
+    if r.get("passed") is None:
+        return "–"
+    if r["passed"]:
+        return "pass"
+    failed = [c.get("name", "?") for c in r.get("checks", []) if not c.get("passed", True)]
+    return "FAIL" + (f" ({', '.join(failed)})" if failed else "")
+
+
+PEAK_RSS_NOTE = (
+    "peak mem: the process's peak RSS (CPU run); within one `qship compare` process it is a "
+    "high-water mark that includes the recipes run before, so compare it only across "
+    "separate jobs (on a GPU it is torch.cuda.max_memory_allocated per quantize)."
+)
+
+
+def notes(rows: list[dict]) -> list[str]:
+    return (
+        [PEAK_RSS_NOTE] if any(r.get("peak_mem_kind") == "process_peak_rss" for r in rows) else []
+    )
+
+
+def width_line(report: dict, style: Callable[[str], str]) -> str:
+    widths = report.get("best_by_width") or {}
+    if len(widths) < 2:
+        return ""
+    return (
+        " Best per weight width: "
+        + "; ".join(f"{w}-bit {style(n)}" for w, n in widths.items())
+        + "."
+    )
+
+
+def render_md(report: dict) -> str:
+    rows = report["rows"]
+    cols = columns(rows)
+    best = report["best_per_column"]
+    pareto = set(report["pareto_bits_vs_kl"])
+    head = ["recipe", *[h for _, h, _, _ in cols], "gate"]
+    lines = [
+        "# qship recipe comparison",
+        "",
+        f"Recipes: {len(rows)}. Best passing recipe (lowest mean KL, tie → fewer bits): "
+        f"**{report['best'] or 'none passed'}**." + width_line(report, lambda n: f"**{n}**"),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] + ["---:"] * len(cols) + ["---"]) + "|",
+    ]
+    for r in rows:
+        cells = [r["name"].replace("|", "\\|") + (" ◆" if r["name"] in pareto else "")]
+        for key, _h, f, _d in cols:
+            s = fmt(value(r, key), f)
+            cells.append(f"**{s}**" if r["name"] in best.get(key, []) else s)
+        cells.append(verdict_text(r))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Bold: best in its column (ppl ratio: closest to 1). ◆: on the Pareto front of "
+        "bits/weight vs mean KL. KL in nats per token, KL(reference ‖ quantized), "
+        "on held-out tokens.",
+        "",
+    ]
+    lines += [*(f"{n}\n" for n in notes(rows))]
+    return "\n".join(lines)
+
+
+def csv_header(rows: list[dict]) -> list[str]:
+    return (
+        ["name", "recipe", "recipe_hash", "passed", *SCALARS]
+        + [f"task:{t}" for t in _task_names(rows)]
+        + ["failed_checks"]
+    )
+
+
+def render_csv(report: dict) -> str:
+    rows = report["rows"]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    header = csv_header(rows)
+    w.writerow(header)
+    for r in rows:
+        out = []
+        for k in header:
+            if k == "failed_checks":
+                v = ";".join(
+                    c.get("name", "?") for c in r.get("checks", []) if not c.get("passed", True)
+                )
+            else:
+                v = value(r, k)
+            out.append("" if v is None else (repr(v) if isinstance(v, float) else v))
+        w.writerow(out)
+    return buf.getvalue()
+
+
+def render_json(report: dict) -> str:
+    return json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"

@@ -1,0 +1,69 @@
+"""Report rows (report.py's schema) from eval.json records.
+
+Every eval.json qship writes (`qship run`'s report folder and artifact, `qship compare`,
+`qship evaluate` on a quantize output) is an EvalFile holding the quantize figures a row
+needs, so a row comes from that one file: `--collect` of CI jobs' results and the
+in-process comparison give the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..records.evaluation import EvalFile
+
+EVAL_FILE = "eval.json"
+
+
+def row(ev: EvalFile, *, name: str | None = None, recipe: str | None = None) -> dict[str, Any]:
+    q, m = ev.quantize, ev.metrics
+    out: dict[str, Any] = {
+        "name": name or (q.name if q else None) or "recipe",
+        "recipe": recipe or (q.recipe if q else None),
+        "recipe_hash": q.recipe_hash if q else None,
+        "passed": ev.verdict.passed if ev.verdict else None,
+        "checks": [c.to_json() for c in ev.verdict.checks] if ev.verdict else [],
+        "bits_per_weight": q.bits_per_weight if q else None,
+        "size_bytes": q.size_bytes if q else None,
+        "quantize_s": q.seconds if q else None,
+        "peak_mem_bytes": q.peak_mem_bytes if q else None,
+        "peak_mem_kind": q.peak_mem_kind if q else None,
+        "tokens": m.tokens,
+        **{f"kl_{k}": v for k, v in m.kl.to_json().items()},
+        "kl_mean_kv_off": ev.metrics_weights_only.kl.mean if ev.metrics_weights_only else None,
+        "top1": m.top1_agreement,
+        "ppl_reference": m.ppl_reference,
+        "ppl_candidate": m.ppl_candidate,
+        "ppl_ratio": m.ppl_ratio,
+        "tasks": {
+            t: r.candidate.value
+            for t, r in sorted(ev.benchmarks.tasks.items())
+            if r.status == "ok" and r.candidate is not None
+        },
+        "kl_hist": m.kl_hist.to_json(),
+        "source": None,
+    }
+    return out
+
+
+def read_eval_file(path: Path) -> EvalFile:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(
+            f"{path} is not a readable JSON file ({type(e).__name__})",
+            path=str(path),
+            hint="pass eval.json files or the folders holding them",
+        ) from e
+    return EvalFile.from_json(data, where=str(path))
+
+
+def row_from_file(path: Path) -> dict[str, Any]:
+    """A row from one eval.json; a recipe without quantize figures is named by its folder."""
+    path = Path(path)
+    ev = read_eval_file(path)
+    folder = path.parent.name.removesuffix(".report")
+    return row(ev, name=None if ev.quantize else folder)

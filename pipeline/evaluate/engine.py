@@ -1,0 +1,219 @@
+"""evaluate: a quantized candidate against its unquantized reference, on held-out tokens.
+
+On held-out token sequences (never calibration data: pipeline.data.tokens) every position's
+next-token distribution of the candidate is compared with the reference's: KL(ref||cand)
+mean ± stderr, median, p90, p99, p99.9, max; top-1 agreement; perplexity of both and their
+ratio; RMS of Δp(next token) -- the figures of llama.cpp's `llama-perplexity
+--kl-divergence` (kl_stats.py has the definitions).
+
+Two modes:
+* cached (default): the reference pass runs once per (reference identity, held-out ids,
+  top-k, dtype) and stores top-k log-probs + one tail bucket (reference_cache.py); the
+  reference model is freed before the candidate loads, and N candidates cost one
+  reference pass. KL is then a lower bound (log-sum inequality); top-1, ppl, Δp exact.
+* exact: reference and candidate run in lockstep and KL is summed over the full
+  vocabulary in float64.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import log
+from ..data.tokens import tensor_hash
+from ..errors import StageError, UsageError
+from ..model.devices import default_device
+from ..model.files import hash_model_dir
+from ..model.loading import load_model
+from ..records.evaluation import (
+    Benchmarks,
+    CandidateRef,
+    CorpusRef,
+    EvalReport,
+    EvalSettings,
+    KVShare,
+    Metrics,
+    ModelRef,
+)
+from . import kl_stats, reference_cache
+from .scoring import (
+    forward_logits,
+    kv_modules,
+    kv_quantization,
+    kv_scheme,
+    score_against_reference,
+    sync,
+)
+
+
+def model_ref(path: Path) -> ModelRef:
+    """A folder no stage recorded: its identity is hashed here (model files only)."""
+    return ModelRef(path=Path(path), model_hash=hash_model_dir(Path(path))[1])
+
+
+def evaluate(
+    reference: ModelRef,
+    candidate: ModelRef,
+    *,
+    heldout_ids: torch.Tensor,
+    cache_dir: Path,
+    tasks: list[str] | tuple[str, ...] = (),
+    hub_tasks: list[str] | tuple[str, ...] = (),
+    limit: int | None = None,
+    batch_size: int = 4,
+    exact: bool = False,
+    device: str | None = None,
+    dtype: str | None = None,
+    topk: int = reference_cache.DEFAULT_TOPK,
+    kv_off: bool = True,
+    corpus_source: str | None = None,
+    corpus_hash: str | None = None,
+) -> EvalReport:
+    """Compare candidate with reference on `heldout_ids` [sequences, seq_len]."""
+    device = device or default_device()
+    if heldout_ids.ndim != 2 or heldout_ids.shape[1] < 2:
+        raise UsageError(
+            f"held-out ids must be [sequences, seq_len>=2], got {tuple(heldout_ids.shape)}"
+        )
+    ids = heldout_ids.long().cpu()
+    scheme = kv_scheme(candidate.path)
+    do_kv_off = kv_off and scheme is not None
+    timings: dict[str, float] = {}
+
+    def load(p: Path) -> Any:
+        return load_model(p, device=device, dtype=dtype)
+
+    t_all = time.perf_counter()
+    ref_entry = None
+    if exact:
+        t0 = time.perf_counter()
+        ref_model, cand_model = load(reference.path), load(candidate.path)
+        timings["load_s"] = time.perf_counter() - t0
+        n_hooked = len(kv_modules(cand_model))
+        t0 = time.perf_counter()
+        on, off = _lockstep(ref_model, cand_model, ids, batch_size, do_kv_off)
+        sync(device)
+        timings["lockstep_s"] = time.perf_counter() - t0
+        del ref_model, cand_model
+    else:
+        t0 = time.perf_counter()
+        ref_entry = reference_cache.get_or_build(
+            cache_dir, reference, ids, topk=topk, forward=forward_logits, load_model=load,
+            batch_size=batch_size, dtype=dtype or "auto", device=device,
+        )  # fmt: skip
+        timings["reference_s"] = time.perf_counter() - t0
+        ref = ref_entry.load()
+        t0 = time.perf_counter()
+        cand_model = load(candidate.path)
+        timings["load_s"] = time.perf_counter() - t0
+        n_hooked = len(kv_modules(cand_model))
+        t0 = time.perf_counter()
+        passes = {"on": True, "off": False} if do_kv_off else {"on": True}
+        scored = score_against_reference(cand_model, ids, ref, batch_size, passes, "candidate")
+        on, off = scored["on"], scored.get("off")
+        sync(device)
+        timings["candidate_s"] = time.perf_counter() - t0
+        del cand_model
+    if scheme is not None and n_hooked == 0:
+        raise StageError(
+            "candidate config has a kv_cache_scheme but no attention module carries the "
+            "compressed-tensors KV hook after loading: the FP8 KV cache would not be in the loop",
+            path=str(candidate.path / "config.json"),
+            hint="check the transformers / compressed-tensors versions against constraints.txt",
+        )
+    mode = "exact" if exact else f"cached-top{topk}+tail"
+    metrics = Metrics(**on.summary(), kl_mode=mode)
+    metrics_off = Metrics(**off.summary(), kl_mode=mode) if do_kv_off and off else None
+
+    benchmarks = Benchmarks()
+    if tasks or hub_tasks:
+        from . import benchmarks as bm
+
+        t0 = time.perf_counter()
+        benchmarks = bm.compare(
+            reference, candidate.path, tasks=list(tasks), hub_tasks=list(hub_tasks),
+            limit=limit, cache_dir=cache_dir, device=device, dtype=dtype,
+        )  # fmt: skip
+        timings["benchmarks_s"] = time.perf_counter() - t0
+    timings["total_s"] = time.perf_counter() - t_all
+    return EvalReport(
+        reference=reference,
+        candidate=CandidateRef(
+            path=candidate.path,
+            model_hash=candidate.model_hash,
+            kv_cache_scheme=scheme,
+            kv_hooked_attention_modules=n_hooked,
+        ),
+        corpus=CorpusRef(
+            source=corpus_source,
+            corpus_hash=corpus_hash,
+            heldout_hash=tensor_hash(ids),
+            sequences=int(ids.shape[0]),
+            seq_len=int(ids.shape[1]),
+            tokens_scored=int(ids.shape[0] * (ids.shape[1] - 1)),
+        ),
+        settings=EvalSettings(
+            mode=mode,
+            topk=None if exact else topk,
+            kl_approximation=None
+            if exact
+            else (
+                f"reference stored as its top-{topk} log-probs + one bucket for the rest; "
+                "KL = sum_topk p log(p/q) + P_tail log(P_tail/Q_tail), a lower bound of the "
+                "full-vocabulary KL (log-sum inequality); top-1, ppl and dp are exact"
+            ),
+            kl_dtype="float64",
+            batch_size=batch_size,
+            device=device,
+            dtype=dtype or "auto",
+            kv_cache="on (as deployed)" if scheme else "none in candidate",
+            weights_only_pass=do_kv_off,
+        ),  # fmt: skip
+        metrics=metrics,
+        metrics_weights_only=metrics_off,
+        kv_cache_share=_kv_share(metrics, metrics_off),
+        reference_cache=ref_entry.info() if ref_entry else None,
+        benchmarks=benchmarks,
+        timings={k: round(v, 3) for k, v in timings.items()},
+    )
+
+
+def _lockstep(
+    ref_model: Any, cand_model: Any, ids: torch.Tensor, batch_size: int, kv_off: bool
+) -> tuple[kl_stats.Accumulator, kl_stats.Accumulator | None]:
+    """Exact mode: both models on each batch, KL over the full vocabulary."""
+    on = kl_stats.Accumulator()
+    off = kl_stats.Accumulator() if kv_off else None
+    n = ids.shape[0]
+    with log.Progress("exact", n, unit="sequences") as bar:
+        for s in range(0, n, batch_size):
+            batch = ids[s : s + batch_size]
+            rl, nxt = forward_logits(ref_model, batch)
+            with kv_quantization(cand_model, True):
+                cl, _ = forward_logits(cand_model, batch)
+            on.add(kl_stats.exact_token_stats_fast(rl, cl, nxt))
+            del cl
+            if off is not None:
+                with kv_quantization(cand_model, False):
+                    cl, _ = forward_logits(cand_model, batch)
+                off.add(kl_stats.exact_token_stats_fast(rl, cl, nxt))
+                del cl
+            del rl
+            bar.update(s + batch.shape[0])
+    return on, off
+
+
+def _kv_share(on: Metrics, off: Metrics | None) -> KVShare | None:
+    if off is None:
+        return None
+    a, b = on.kl.mean, off.kl.mean
+    return KVShare(
+        kl_mean_kv_on=a,
+        kl_mean_kv_off=b,
+        kl_mean_added_by_kv=a - b,
+        fraction_of_kl_from_kv=(a - b) / a if a > 0 else 0.0,
+    )

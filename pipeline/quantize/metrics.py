@@ -1,0 +1,85 @@
+"""What llm-compressor measures while it calibrates, captured as it happens: GPTQ's
+per-module error, AWQ's per-mapping loss reduction, and the time (and CUDA peak) of each
+decoder layer of the sequential pipeline, which also drives the progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import log
+from ..records.checkpoint import AwqMappingResult, LayerTime
+from ..records.plan import Plan
+from .patches import patched
+
+
+@dataclass
+class Captured:
+    gptq: dict[str, float] = field(default_factory=dict)
+    awq: list[AwqMappingResult] = field(default_factory=list)
+    layers: list[LayerTime] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def capture_metrics(model: Any, plan: Plan) -> Iterator[Captured]:
+    from llmcompressor.core import LifecycleCallbacks
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from llmcompressor.utils.metric_logging import CompressionLogger
+
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = set(plan.decoder_layers)
+    got = Captured()
+    t_last = [time.perf_counter()]
+    bar = log.Progress("calibrate", len(plan.decoder_layers), unit="layers")
+
+    orig_set = CompressionLogger.set_results
+
+    def set_results(self, name=None, loss=None):  # type: ignore[no-untyped-def]
+        if loss is not None:
+            got.gptq[names.get(id(self.module), "?")] = float(loss)
+        return orig_set(self, name=name, loss=loss)
+
+    orig_log = AWQModifier._log_error_metrics
+
+    def log_error_metrics(self):  # type: ignore[no-untyped-def]
+        for m in self._error_metrics:
+            got.awq.append(
+                AwqMappingResult(
+                    smooth=m.get("layer_name"),
+                    parent=m.get("parent_name"),
+                    initial_error=float(m.get("initial_error", 0.0)),
+                    best_error=float(m.get("best_error", 0.0)),
+                    loss_reduction=1.0 - float(m.get("reduction", 1.0)),
+                )
+            )
+        return orig_log(self)
+
+    orig_epoch = LifecycleCallbacks.__dict__["sequential_epoch_end"]
+
+    def epoch_end(cls, modules, **kwargs):  # type: ignore[no-untyped-def]
+        out = orig_epoch.__func__(cls, modules, **kwargs)
+        now = time.perf_counter()
+        layer = next((names.get(id(m)) for m in modules if names.get(id(m)) in layers), None)
+        layer = layer or f"subgraph {len(got.layers) + 1} (no decoder layer)"
+        cuda = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+        got.layers.append(
+            LayerTime(layer=layer, seconds=round(now - t_last[0], 3), cuda_max_allocated_bytes=cuda)
+        )
+        t_last[0] = now
+        done = sum(1 for r in got.layers if r.layer in layers)
+        log.detail(f"[{done}/{len(layers)} layers] {layer} done in {got.layers[-1].seconds:.2f} s")
+        bar.update(done, layer)
+        return out
+
+    with (
+        patched(CompressionLogger, "set_results", set_results),
+        patched(AWQModifier, "_log_error_metrics", log_error_metrics),
+        patched(LifecycleCallbacks, "sequential_epoch_end", classmethod(epoch_end)),
+        bar,
+    ):
+        yield got

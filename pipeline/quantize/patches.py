@@ -1,0 +1,145 @@
+"""Narrow, scoped patches of llm-compressor 0.14 (each restored on exit) and the routing of
+its log records. Why each exists is in its docstring; tests/test_quantize.py holds each to
+the library's own result."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def patched(obj: Any, attr: str, value: Any) -> Iterator[None]:
+    old = obj.__dict__[attr] if attr in obj.__dict__ else getattr(obj, attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, old)
+
+
+@contextlib.contextmanager
+def cpu_pin_memory_fix() -> Iterator[bool]:
+    """AWQ pins its cached activations; without an accelerator that raises
+    'Cannot access accelerator device when none is available'. Only then (no
+    accelerator), and only inside this block, make the pinning a no-op."""
+    if torch.accelerator.is_available():
+        yield False
+        return
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    def _no_pin(self, batch_index, input_names=None):
+        return None
+
+    with patched(IntermediatesCache, "pin_memory", _no_pin):
+        yield True
+
+
+@contextlib.contextmanager
+def awq_lean_grid_search() -> Iterator[None]:
+    """AWQ's grid search with less alive at once; the same scales (tests/test_quantize.py).
+
+    For each smoothing parent (the attention block) llm-compressor 0.14 runs the parent over
+    every cached batch once unquantized and once per grid point, and keeps whole lists:
+    1. under the eager attention it calibrates with, each output is the tuple (output,
+       attention weights) and every batch's tuple lives until the list is built (268 MB at
+       Gemma 3 270M's peak): here each output is cut to its first element as it is made;
+    2. each grid point's quantized outputs are all built before `_compute_loss` compares
+       them batch by batch with the unquantized ones (one full copy of the parent's output,
+       537 MB for an 8B at 128 x 512 tokens): here, inside `_compute_best_scale`, they are
+       made lazily, so the loss consumes each batch before the next exists.
+    """
+    from llmcompressor.core import active_session
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    grid = AWQModifier.__dict__["_compute_best_scale"]
+    in_grid = [0]
+
+    def run_samples(self, module):
+        cache = self._parent_args_cache[module]
+        batches = cache.iter_prefetch() if active_session().state.sequential_prefetch else cache
+        outs = (_first_output(module(**batch)) for batch in batches)
+        return outs if in_grid[0] else list(outs)
+
+    def compute_best_scale(self, *args, **kwargs):
+        in_grid[0] += 1
+        try:
+            return grid(self, *args, **kwargs)
+        finally:
+            in_grid[0] -= 1
+
+    with (
+        patched(AWQModifier, "_run_samples", run_samples),
+        patched(AWQModifier, "_compute_best_scale", compute_best_scale),
+    ):
+        yield
+
+
+def _first_output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+@contextlib.contextmanager
+def _stdout_is_stderr() -> Iterator[None]:
+    old = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = old
+
+
+def import_llmcompressor() -> None:
+    """Import llm-compressor so that its loguru console handler (which it binds to
+    sys.stdout at import, and which logs during import) writes to stderr: qship's
+    stdout is reserved for `--json` results."""
+    if "llmcompressor" not in sys.modules:
+        with _stdout_is_stderr():
+            import llmcompressor  # noqa: F401
+
+
+@contextlib.contextmanager
+def library_logs_to_stderr() -> Iterator[None]:
+    """Inside this block llm-compressor's records go to sys.stderr as it is now (the run
+    log while qship captures library output), WARNING and up (or LLM_COMPRESSOR_LOG_LEVEL);
+    afterwards its default INFO console handler is put back, on stderr as well."""
+    import importlib
+    import os
+
+    from loguru import logger
+
+    import_llmcompressor()
+    # `import llmcompressor.logger` would give the package's `logger` attribute (loguru)
+    lcl = importlib.import_module("llmcompressor.logger")
+    level = os.environ.get("LLM_COMPRESSOR_LOG_LEVEL", "WARNING").upper()
+
+    def keep(record) -> bool:
+        # In one sequential pass GPTQModifier's layer end re-runs update_qparams on the KV
+        # observers that QuantizationModifier already consumed; llm-compressor then warns
+        # "Attempted to calibrate a module k/v without statistics" and leaves the scale
+        # as it was. Spurious here (verify_tensors checks the saved k/v scales instead).
+        msg = record["message"]
+        if msg.startswith(
+            ("Attempted to calibrate a module k ", "Attempted to calibrate a module v ")
+        ):
+            return False
+        return lcl.support_log_once(record)
+
+    logger.remove()
+    hid = logger.add(
+        sys.stderr,
+        level=level,
+        format="{time:HH:mm:ss} | {function} | {level} - {message}",
+        filter=keep,
+    )
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            logger.remove(hid)
+        with _stdout_is_stderr():
+            lcl.configure_logger(lcl.LOGGER_CONFIG)

@@ -1,0 +1,129 @@
+"""Plan: every Linear module of the model -> group, method and scheme, before any compute."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Literal
+
+from ..recipe import KVCache
+from .base import Record
+
+Method = Literal["awq", "gptq", "rtn", "none"]
+
+
+class ModuleScheme(Record):
+    """An integer weight scheme as it applies to one module (group size resolved)."""
+
+    bits: int
+    symmetric: bool
+    group_size: int | None
+    """Weights per scale along the input dimension; null = one scale per output channel."""
+    observer: str | None = None
+    """How scales are chosen: null = min-max of each group; mse = llm-compressor's MSE
+    search over shrunken ranges."""
+
+    def label(self) -> str:
+        kind = "sym" if self.symmetric else "asym"
+        grp = f"g{self.group_size}" if self.group_size else "per-channel"
+        return f"int{self.bits} {kind} {grp}" + (f" {self.observer}" if self.observer else "")
+
+
+class ModulePlan(Record):
+    name: str
+    """Module path, e.g. model.layers.0.self_attn.q_proj."""
+    cls: str
+    """Module class name (Linear)."""
+    group: str
+    """The recipe group that claims it."""
+    method: Method
+    scheme: ModuleScheme | None
+    """null: kept in the recipe's dtype."""
+    in_features: int
+    out_features: int
+    tied: bool
+    """Its weight is the input embedding's (stored once, as the embedding)."""
+    bits_per_weight: float
+    """Stored bits per weight including scales and zero points."""
+    stored_bytes: int
+    """Bytes this module's weight takes in the checkpoint (0 when tied)."""
+
+
+class MappingPlan(Record):
+    """One AWQ smoothing mapping: `smooth`'s output scales are folded into `balance`."""
+
+    kind: str
+    """norm->qkv, v->o, norm->gate/up or up->down."""
+    smooth: str
+    balance: list[str]
+    applied: bool
+    reason: str
+    """Why it was skipped (or "shapes compatible")."""
+
+
+class BitsPerWeight(Record):
+    quantized: float
+    """Over the quantized Linear weights (the figure recipes are compared by)."""
+    linear: float
+    """Over all Linear weights (a tied head counted once, as the embedding)."""
+    whole_checkpoint: float
+    """The expected checkpoint's bits over all parameters."""
+
+
+class ParamCounts(Record):
+    total: int
+    dense_bytes: int
+    """Size of the unquantized model in the recipe's dtype."""
+    quantized_linear: int
+    """Weights in quantized Linear modules."""
+
+
+class Plan(Record):
+    recipe_name: str
+    recipe_hash: str
+    architecture: str
+    model_type: str
+    dtype: str
+    """The dtype of everything left unquantized."""
+    modules: list[ModulePlan]
+    mappings: list[MappingPlan]
+    kv_cache: KVCache | None
+    decoder_layers: list[str]
+    bits_per_weight: BitsPerWeight
+    expected_checkpoint_bytes: int
+    params: ParamCounts
+    notes: list[str] = []
+
+    def by_name(self) -> dict[str, ModulePlan]:
+        return {m.name: m for m in self.modules}
+
+    def groups(self, method: str | None = None) -> dict[str, list[ModulePlan]]:
+        out: dict[str, list[ModulePlan]] = {}
+        for m in self.modules:
+            if method is None or m.method == method:
+                out.setdefault(m.group, []).append(m)
+        return out
+
+    def applied_mappings(self) -> list[MappingPlan]:
+        return [m for m in self.mappings if m.applied]
+
+    def summary(self) -> str:
+        """A few lines: each group with its method, schemes and module count; KV; size."""
+        lines = [f"{self.recipe_name} on {self.architecture}: {len(self.modules)} Linear modules"]
+        for group, mods in self.groups().items():
+            labels = Counter(m.scheme.label() if m.scheme else f"{self.dtype} (kept)" for m in mods)
+            schemes = ", ".join(f"{k} ×{n}" if len(labels) > 1 else k for k, n in labels.items())
+            tied = " (tied to the embedding)" if any(m.tied for m in mods) else ""
+            lines.append(
+                f"  {group:<12} {mods[0].method:<5} {schemes:<24} {len(mods):>4} modules{tied}"
+            )
+        applied = len(self.applied_mappings())
+        kv = f"KV cache {self.kv_cache.scheme} per tensor" if self.kv_cache else "KV cache 16-bit"
+        maps = f"; AWQ mappings {applied} applied, {len(self.mappings) - applied} skipped"
+        lines.append(f"  {kv}" + (maps if self.mappings else ""))
+        bpw = self.bits_per_weight
+        lines.append(
+            f"  {bpw.quantized:.3f} bits/weight over quantized weights; checkpoint "
+            f"{self.expected_checkpoint_bytes / 1e6:.0f} MB (dense {self.dtype} "
+            f"{self.params.dense_bytes / 1e6:.0f} MB)"
+        )
+        return "\n".join(lines)
