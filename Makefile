@@ -36,9 +36,12 @@ test-slow: setup
 bench: setup
 	$(BIN)/python bench/hashing_bench.py
 
+# ruff (style), mypy (types of pipeline/), import-linter (the layer contracts in pyproject)
 lint: setup
 	$(BIN)/ruff check pipeline tests bench
 	$(BIN)/ruff format --check pipeline tests bench
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

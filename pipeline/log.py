@@ -162,7 +162,7 @@ class Progress:
 # ------------------------------------------------------------------ third-party output
 
 
-def _stream_handlers() -> list[logging.StreamHandler]:
+def _stream_handlers() -> list[logging.StreamHandler[Any]]:
     loggers = [logging.getLogger()] + [
         lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
     ]
@@ -182,7 +182,7 @@ def third_party_to(log_path: Path | None, *, verbose: bool = False) -> Iterator[
     `detail()` lines there too."""
     global _console
     if verbose or log_path is None:
-        h = logging.StreamHandler(_ConsoleWriter())
+        h: logging.Handler = logging.StreamHandler(_ConsoleWriter())
         _detail.addHandler(h)
         try:
             yield None
@@ -193,7 +193,10 @@ def third_party_to(log_path: Path | None, *, verbose: bool = False) -> Iterator[
     log_path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(log_path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
     fh.write(f"--- qship {' '.join(sys.argv[1:])} ({time.strftime('%Y-%m-%d %H:%M:%S')})\n")
-    file_handler = logging.StreamHandler(fh)
+    file_handler: logging.Handler = logging.StreamHandler(fh)
+    outer_handlers = list(_detail.handlers)  # an outer capture's log gets none of ours
+    for h in outer_handlers:
+        _detail.removeHandler(h)
     _detail.addHandler(file_handler)
     old_out, old_err, old_console = sys.stdout, sys.stderr, _console
     ours = old_console.file  # where qship's lines go now (a terminal, or an outer capture's)
@@ -205,7 +208,7 @@ def third_party_to(log_path: Path | None, *, verbose: bool = False) -> Iterator[
         term = None
     _console = Console(file=term or ours, highlight=False, soft_wrap=True)
     saved_fd2 = os.dup(2)
-    swapped = []
+    swapped: list[tuple[logging.StreamHandler[Any], Any]] = []
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -225,6 +228,8 @@ def third_party_to(log_path: Path | None, *, verbose: bool = False) -> Iterator[
         if term is not None:
             term.close()
         _detail.removeHandler(file_handler)
+        for h in outer_handlers:
+            _detail.addHandler(h)
         fh.close()
 
 

@@ -210,7 +210,7 @@ def _loc(loc: tuple) -> str:
     return out or "<top level>"
 
 
-def _fix_for(err: dict) -> str:
+def _fix_for(err: Any) -> str:
     t = err.get("type", "")
     if t == "extra_forbidden":
         return "delete this key (unknown key; check its spelling against docs/recipes or pipeline/recipe.py)"

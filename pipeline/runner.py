@@ -197,7 +197,8 @@ def evaluate_stage(
 def gate_stage(report: EvalReport, recipe: Recipe, ctx: Context) -> Verdict:
     with ctx.stage("gate") as line:
         verdict = gate.check(report, recipe.gates)
-        line.note = verdict.summary().splitlines()[0]
+        n = len(verdict.checks)
+        line.note = f"{'PASSED' if verdict.passed else 'FAILED'} ({n} check{'s' * (n != 1)})"
     for row in verdict.summary().splitlines()[1:]:
         log.info(row, style=None if verdict.passed else "red")
     return verdict

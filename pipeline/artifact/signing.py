@@ -4,13 +4,14 @@ written after SHA256SUMS and signs every other file, SHA256SUMS included."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 from ..errors import IntegrityError, UsageError
 
 SIGNATURE = "model.sig"
 
 
-def _hashing_config():  # type: ignore[no-untyped-def]
+def _hashing_config() -> Any:
     import model_signing
 
     return model_signing.hashing.Config().set_ignored_paths(
@@ -36,7 +37,9 @@ def sign_artifact(root: Path, private_key: Path, password: str | None = None) ->
     return sig
 
 
-def check_signature(root: Path, *, pubkey: Path | None, require: bool) -> str:
+def check_signature(
+    root: Path, *, pubkey: Path | None, require: bool
+) -> Literal["absent", "present-unverified", "verified"]:
     """'absent' | 'present-unverified' | 'verified'; IntegrityError when it does not verify."""
     sig = root / SIGNATURE
     if not sig.exists():

@@ -83,7 +83,7 @@ def check_sums(root: Path, checks: list[str]) -> dict[str, str]:
     missing = sorted(set(listed) - set(others) - {SUMS, SIGNATURE})
     extra = sorted(set(others) - set(listed))
     digests = hash_files(root, [r for r in others if r in listed or r in extra])
-    by_hash = {}
+    by_hash: dict[str, list[str]] = {}
     for rel in extra:
         by_hash.setdefault(digests[rel].sha256, []).append(rel)
     for rel in missing:
@@ -197,7 +197,7 @@ def verify(
         path=str(root),
         files=len(listed) + 1 + (signature != "absent"),
         tensors=tensors,
-        signature=signature,  # type: ignore[arg-type]
+        signature=signature,
         load="matched" if load else "skipped",
         checks=checks,
         warnings=warnings,

@@ -41,6 +41,6 @@ def check_dtype(dtype: str | None) -> None:
         )
 
 
-class OneLineJson(dict):  # type: ignore[type-arg]
+class OneLineJson(dict):
     """A result printed as one compact JSON line on stdout, with or without --json (a CI
     matrix that `echo "matrix=$(qship compare --matrix)" >> $GITHUB_OUTPUT` reads)."""

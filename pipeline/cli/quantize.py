@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -34,7 +34,7 @@ def plan_cmd(
     return plan
 
 
-def module_table(plan: Plan):  # type: ignore[no-untyped-def]
+def module_table(plan: Plan) -> Any:
     from rich.table import Table
 
     t = Table(title=f"plan: {plan.recipe_name} on {plan.architecture}", show_lines=False)

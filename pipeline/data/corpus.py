@@ -36,6 +36,7 @@ def _gensim_dir() -> Path:
     import importlib.util
 
     spec = importlib.util.find_spec("gensim")
+    assert spec is not None and spec.origin is not None
     return Path(spec.origin).parent / "test" / "test_data"
 
 

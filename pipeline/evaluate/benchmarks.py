@@ -101,7 +101,7 @@ def run_lm_eval(
             proc = subprocess.run(
                 [sys.executable, "-m", "pipeline.evaluate.benchmarks", json.dumps(spec)],
                 env=env,
-                cwd=spec["tasks_dir"],
+                cwd=str(Path(tasks_dir).resolve()),
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
@@ -195,7 +195,7 @@ def compare(
             model_dir, tasks, tasks_dir=tasks_dir, limit=limit, device=device, dtype=dtype
         )
         for ht in hub:  # one child each: one unavailable dataset skips only its task
-            hub = run_lm_eval(
+            got = run_lm_eval(
                 model_dir,
                 [ht],
                 tasks_dir=tasks_dir,
@@ -205,10 +205,10 @@ def compare(
                 offline=not online,
                 timeout_s=hub_timeout_s,
             )
-            for _t, r in hub.items():
+            for r in got.values():
                 if r["status"] != "ok" and not online:
                     r["reason"] = f"{why}; not in the local datasets cache: {r['reason']}"
-            res.update(hub)
+            res.update(got)
         return res
 
     key = stage_key(

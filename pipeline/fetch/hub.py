@@ -37,6 +37,8 @@ def fetch_hub(
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo, rev = src.repo_id, src.revision
+    assert repo is not None and rev is not None
+    local: Path | None
     lfs: dict[str, FileDigest] = {}
     offline = bool(constants.HF_HUB_OFFLINE)
     try:
@@ -74,6 +76,12 @@ def fetch_hub(
     if not _SHA40.match(commit or ""):
         raise IntegrityError(
             f"{rev} did not resolve to a commit SHA (got {commit!r})", path=src.text
+        )
+    if local is None:
+        raise IntegrityError(
+            f"{repo}@{commit} has no model files (config, weights, tokenizer)",
+            path=src.text,
+            hint="check the repository: qship takes safetensors checkpoints",
         )
 
     manifest_path = checksums_dir / Manifest.filename(repo, commit)

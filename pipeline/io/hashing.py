@@ -240,6 +240,7 @@ def compare_digests(
     for rel in sorted(expected.keys() | actual.keys()):
         e, a = expected.get(rel), actual.get(rel)
         if a is None:
+            assert e is not None
             problems.append(f"{rel}: missing (expected sha256 {e.sha256}, {e.size} bytes)")
         elif e is None:
             problems.append(f"{rel}: extra file not in {where} (sha256 {a.sha256})")

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import StageError
 from ..model.checkpoint import CheckpointInspection, inspect_checkpoint
+from ..model.loading import load_model
 from ..records.plan import Plan
 
 HINT = "report this as a bug with the recipe; the checkpoint was not kept"
@@ -57,16 +58,13 @@ def check_against_plan(insp: CheckpointInspection, plan: Plan, *, where: str) ->
 def verify_reload(out_dir: Path, probe_ids: torch.Tensor, device: str = "cpu") -> int:
     """Reload with transformers (on `device`) and check the logits are finite; returns the
     number of probe tokens."""
-    from transformers import AutoModelForCausalLM
-
     probe_ids = probe_ids.to(device)
     try:
-        m = AutoModelForCausalLM.from_pretrained(out_dir, device_map=device)
+        m = load_model(out_dir, device=device)
     except Exception as e:  # noqa: BLE001
         raise StageError(
             f"transformers cannot reload the checkpoint: {e}", path=str(out_dir)
         ) from e
-    m.eval()
     with torch.no_grad():
         logits = m(input_ids=probe_ids).logits
     if not torch.isfinite(logits).all():
@@ -84,7 +82,7 @@ def _first_nonfinite_module(model: Any, ids: torch.Tensor) -> str:
     hooks = []
     for n, mod in model.named_modules():
 
-        def hook(_m, _i, out, n=n):  # type: ignore[no-untyped-def]
+        def hook(_m, _i, out, n=n):
             t = out[0] if isinstance(out, tuple) else out
             if not found and isinstance(t, torch.Tensor) and not torch.isfinite(t).all():
                 found.append(n)

@@ -188,7 +188,7 @@ def _quantize(
         )
         record.write(tmp)
         tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
+        for p in tmp.iterdir():
+            p.chmod(0o644)
     log.detail(f"wrote {out_dir} ({insp.bytes / 1e6:.2f} MB) in {seconds:.1f} s")
     return record.model_copy(update={"path": out_dir})

@@ -39,14 +39,14 @@ def capture_metrics(model: Any, plan: Plan) -> Iterator[Captured]:
 
     orig_set = CompressionLogger.set_results
 
-    def set_results(self, name=None, loss=None):  # type: ignore[no-untyped-def]
+    def set_results(self, name=None, loss=None):
         if loss is not None:
             got.gptq[names.get(id(self.module), "?")] = float(loss)
         return orig_set(self, name=name, loss=loss)
 
     orig_log = AWQModifier._log_error_metrics
 
-    def log_error_metrics(self):  # type: ignore[no-untyped-def]
+    def log_error_metrics(self):
         for m in self._error_metrics:
             got.awq.append(
                 AwqMappingResult(
@@ -61,7 +61,7 @@ def capture_metrics(model: Any, plan: Plan) -> Iterator[Captured]:
 
     orig_epoch = LifecycleCallbacks.__dict__["sequential_epoch_end"]
 
-    def epoch_end(cls, modules, **kwargs):  # type: ignore[no-untyped-def]
+    def epoch_end(cls, modules, **kwargs):
         out = orig_epoch.__func__(cls, modules, **kwargs)
         now = time.perf_counter()
         layer = next((names.get(id(m)) for m in modules if names.get(id(m)) in layers), None)

@@ -43,7 +43,7 @@ def weight_storage_bits(out_f: int, in_f: int, scheme: ModuleScheme | None, dtyp
 def decoder_layers(model: Any) -> list[str]:
     import torch
 
-    layers = []
+    layers: list[str] = []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.ModuleList) and name.endswith("layers"):
             layers.extend(f"{name}.{i}" for i in range(len(mod)))
@@ -96,15 +96,15 @@ def derive_awq_mappings(model: Any, owner: dict[str, str], recipe: Recipe) -> li
             if not has(smooth) or not all(has(b) for b in balance):
                 continue
             involved = balance + ([smooth] if isinstance(mods[smooth], torch.nn.Linear) else [])
-            groups = {owner.get(n) for n in involved}
+            groups = {owner.get(n, "") for n in involved}
             if not any(method.get(g) == "awq" for g in groups):
                 continue  # nothing AWQ here: not listed
             reason = ""
             if any(method.get(g) != "awq" for g in groups):
                 non = [
-                    f"{n.rsplit('.', 1)[-1]} in {owner.get(n)!r} ({method.get(owner.get(n))})"
+                    f"{n.rsplit('.', 1)[-1]} in {owner.get(n)!r} ({method.get(owner.get(n, ''))})"
                     for n in involved
-                    if method.get(owner.get(n)) != "awq"
+                    if method.get(owner.get(n, "")) != "awq"
                 ]
                 reason = "not all layers are in AWQ groups: " + ", ".join(non)
             elif len({opts[g] for g in groups}) > 1:

@@ -13,18 +13,28 @@ from .tokens import TokenSetInfo
 
 class SourceProvenance(Record):
     spec: str
+    """The source as resolved."""
     repo_id: str | None
+    """Repository (or local/, gguf/, pypi/ name)."""
     revision: str | None
+    """Commit, package version or `local`."""
     model_hash: str
+    """The source model's identity."""
     manifest: str | None
+    """The pin it was checked against."""
     pin_status: str
+    """pinned, pinned-now or unpinned."""
     license: str | None = None
+    """The license the source declares."""
     files: dict[str, FileDigest]
+    """Every source file with its sha256 and size."""
     checks: dict[str, Any] = {}
+    """Source-specific checks (LFS hashes, the GGUF's pin)."""
 
 
 class RecipeRef(Record):
     name: str
+    """The recipe's name."""
     hash: str
     """Recipe.hash(): sha256 of the resolved recipe's canonical JSON (recipe.yaml in the
     artifact is that resolved recipe)."""
@@ -34,45 +44,64 @@ class QuantizeProvenance(Record):
     key: str | None
     """The quantize entry's key in the stage cache."""
     seconds: float
+    """Wall time of quantize."""
     device: str
+    """Where it was quantized."""
     mode: str
+    """qship defaults or bare llm-compressor defaults."""
     modifiers: list[str]
+    """The llm-compressor modifiers, in order."""
     peak_memory: PeakMemory
+    """Peak memory per phase."""
 
 
 class QshipVersion(Record):
     version: str
+    """qship's package version."""
     git_commit: str | None
+    """The qship commit it ran from (null outside a git checkout)."""
     dirty: bool | None
     """Uncommitted changes under pipeline/ when it ran."""
 
 
 class Provenance(Record):
     schema_version: int = SCHEMA_VERSION
+    """Version of this record's layout."""
     name: str
     """The artifact's name: <base model>-<recipe>."""
     source: SourceProvenance | None
     """The fetched model (null when packaged by hand from a folder without a fetch record)."""
     recipe: RecipeRef
+    """The resolved recipe (recipe.yaml in the artifact)."""
     calibration: TokenSetInfo
+    """The calibration and held-out token sets."""
     quantize: QuantizeProvenance
+    """How quantize ran."""
     quantized_checkpoint: dict[str, FileDigest]
     """The files of the quantized checkpoint that was packaged."""
     library_versions: dict[str, str]
+    """Versions of torch, transformers, llm-compressor, compressed-tensors, lm-eval and others."""
     qship: QshipVersion
+    """The qship that made it."""
     verdict_passed: bool
+    """The gate passed (publish refuses otherwise)."""
     timings: dict[str, float] = {}
     """Seconds per stage; the only field that differs between two identical runs."""
 
 
 class Artifact(Record):
     path: Path
+    """The artifact folder."""
     files: dict[str, str]
     """Relative path -> sha256, as SHA256SUMS lists them."""
     shards: list[str]
+    """Weight files, in order."""
     signed: bool
+    """model.sig was written."""
     passed: bool
+    """The gate's verdict."""
     timings: dict[str, float] = {}
+    """Seconds per packaging step."""
 
     def summary(self) -> str:
         s = "signed" if self.signed else "unsigned"
@@ -84,12 +113,19 @@ class Artifact(Record):
 
 class PublishResult(Record):
     target: str
+    """file:// registry or hf:// repository."""
     name: str
+    """Name in the registry."""
     version: str
+    """Version in the registry (content-addressed by default)."""
     location: str
+    """Where it now is."""
     status: Literal["published", "unchanged"]
+    """published, or unchanged (the same content was already there)."""
     commit_message: str
+    """Names the recipe and the verdict."""
     commit_url: str | None = None
+    """The Hub commit (hf:// targets)."""
 
     def summary(self) -> str:
         return f"{self.status}: {self.name} {self.version} -> {self.location}"
@@ -97,14 +133,21 @@ class PublishResult(Record):
 
 class VerifyReport(Record):
     path: str
+    """The artifact verified."""
     ok: bool = True
+    """Every check passed (a failure raises instead)."""
     files: int
+    """Files in the artifact."""
     tensors: int
+    """Tensors checked against config.json."""
     signature: Literal["absent", "present-unverified", "verified"]
+    """absent, present-unverified (no key given) or verified."""
     load: Literal["skipped", "matched"]
+    """matched when --load ran the probe."""
     checks: list[str]
     """What was checked and held."""
     warnings: list[str] = []
+    """What was not checked and why."""
 
     def summary(self) -> str:
         lines = [f"verify {self.path}: OK ({self.files} files, {self.tensors} tensors)"]

@@ -15,9 +15,13 @@ REPORT_FILE = "quantize_report.json"  # the record, beside the checkpoint it des
 
 class AwqMappingResult(Record):
     smooth: str | None
+    """The smoothed module of the mapping."""
     parent: str | None
+    """The module whose output AWQ's grid search compared."""
     initial_error: float
+    """Output error of plain rounding."""
     best_error: float
+    """Output error with the best scales found."""
     loss_reduction: float
     """1 - best_error / initial_error: what AWQ's scale search won on this mapping."""
 
@@ -26,7 +30,9 @@ class LayerTime(Record):
     layer: str
     """A decoder layer (or another subgraph of llm-compressor's sequential pipeline)."""
     seconds: float
+    """Wall time of the layer's calibration and compression."""
     cuda_max_allocated_bytes: int | None = None
+    """The running CUDA peak after the layer (null on the CPU)."""
 
 
 class CheckpointSummary(Record):
@@ -35,14 +41,20 @@ class CheckpointSummary(Record):
     expected_bytes: int
     """The plan's estimate."""
     bits_per_weight_quantized: float
+    """The plan's bits per quantized weight."""
     bits_per_weight_linear: float
+    """The plan's bits over all Linear weights."""
     quantized_modules: int
+    """Linear modules stored packed."""
     kept_modules: int
+    """Linear modules kept in 16-bit."""
 
 
 class CudaPeak(Record):
     max_allocated_bytes: int
+    """torch.cuda.max_memory_allocated over the phase."""
     max_reserved_bytes: int
+    """torch.cuda.max_memory_reserved over the phase."""
 
 
 class PeakMemory(Record):
@@ -51,6 +63,7 @@ class PeakMemory(Record):
     cuda_max_allocated_bytes: int | None = None
     """On a GPU: the largest peak of the phases below."""
     cuda_max_reserved_bytes: int | None = None
+    """On a GPU: the largest reserved peak of the phases."""
     cuda_phases: dict[str, CudaPeak] = {}
     """oneshot (calibration + compression), save, verify (the reload check)."""
     cuda_allocated_at_start_bytes: int | None = None
@@ -64,17 +77,24 @@ class PeakMemory(Record):
 
 class QuantizeTimings(Record):
     load_and_plan: float
+    """Seconds to load the model and build the plan and modifiers."""
     oneshot: float
+    """Seconds in llm-compressor's oneshot (calibration + compression)."""
     save: float
+    """Seconds to save the compressed checkpoint."""
     total: float
+    """Seconds for the whole quantize, checks included."""
 
 
 class PostSaveChecks(Record):
     checked_modules: int
     """Linear modules whose saved scheme was compared with the plan."""
     config_groups: int
+    """quantization_config groups in the saved config."""
     format: str | None
+    """quantization_config.format (pack-quantized)."""
     tensors: int
+    """Tensors in the saved checkpoint."""
     reload_probe_tokens: int
     """Tokens of the reload check (transformers reloads the checkpoint; logits finite)."""
 
@@ -83,42 +103,60 @@ class QuantizeSummary(Record):
     """What a comparison row needs of the quantize stage (stored in eval.json)."""
 
     name: str
+    """The recipe's name (the row's name in a comparison)."""
     recipe: str | None = None
     """The recipe file as given."""
     recipe_hash: str
+    """Recipe.hash() of the resolved recipe."""
     bits_per_weight: float
+    """Stored bits per quantized weight."""
     size_bytes: int
+    """Bytes of the quantized checkpoint's weights."""
     seconds: float
+    """Wall time of quantize."""
     peak_mem_bytes: int
+    """Peak memory of quantize (see peak_mem_kind)."""
     peak_mem_kind: Literal["cuda_max_allocated", "process_peak_rss"]
+    """cuda_max_allocated (GPU, per quantize) or process_peak_rss (CPU, a high-water mark of the process)."""
 
 
 class QuantizedCheckpoint(Record):
     schema_version: int = SCHEMA_VERSION
+    """Version of this record's layout."""
     path: Path
     """The compressed-tensors checkpoint folder (config, weights, tokenizer)."""
     model_hash: str
     """Its identity (pipeline.model.files.model_hash)."""
     recipe_name: str
+    """The recipe's name."""
     recipe_hash: str
     """Hash of the resolved recipe (Recipe.hash)."""
     device: str
+    """Where it was quantized (cuda / cpu)."""
     mode: str
     """qship's defaults (sequential pipeline, batched) or bare llm-compressor defaults."""
     calibration: TokenSetInfo
+    """The calibration and held-out token sets it was made with."""
     batch_size: int
     """Calibration batch size used."""
     plan: Plan
+    """The plan the saved checkpoint was checked against."""
     modifiers: list[str]
     """The llm-compressor modifiers, in order."""
     gptq: dict[str, float] = {}
     """GPTQ's per-module reconstruction error."""
     awq: list[AwqMappingResult] = []
+    """AWQ's result per smoothing mapping."""
     layers: list[LayerTime] = []
+    """Time (and CUDA peak) per decoder layer."""
     checkpoint: CheckpointSummary
+    """Size and bits of the saved checkpoint."""
     checks: PostSaveChecks
+    """What the post-save checks checked."""
     timings: QuantizeTimings
+    """Seconds per phase."""
     peak_memory: PeakMemory
+    """Peak memory per phase."""
     cpu_pin_memory_patch: bool = False
     """True when AWQ's activation pinning had to be disabled (no accelerator)."""
 

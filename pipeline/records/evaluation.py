@@ -18,20 +18,28 @@ class KLStats(Record):
     """Per-token KL(P_ref ‖ P_cand) in nats over the scored held-out positions."""
 
     mean: float
+    """Mean over the scored positions."""
     stderr: float
     """Standard error of the mean (std / sqrt(tokens))."""
     median: float
+    """50th percentile."""
     p90: float
+    """90th percentile."""
     p99: float
+    """99th percentile."""
     p999: float
+    """99.9th percentile."""
     max: float
+    """The largest per-token KL."""
 
 
 class KLHist(Record):
     """Per-token KL counts on fixed log-spaced bins (8 per decade, 1e-6 .. 1e2 nats)."""
 
     edges: list[float]
+    """Bin edges (65 values, 1e-6 .. 1e2)."""
     counts: list[int]
+    """Tokens per bin (values above the last edge are in the last bin)."""
     zero: int
     """Tokens below the first edge (exact zeros included)."""
 
@@ -40,41 +48,55 @@ class Metrics(Record):
     tokens: int
     """Scored positions (sequences × (seq_len − 1))."""
     kl: KLStats
+    """KL(P_ref ‖ P_cand) per token, nats."""
     top1_agreement: float
     """Share of positions where both models' most likely next token is the same."""
     top1_agreement_stderr: float
+    """Binomial standard error of top1_agreement."""
     ppl_reference: float
     """exp(mean NLL of the actual next token) of the reference."""
     ppl_candidate: float
+    """exp(mean NLL of the actual next token) of the candidate."""
     ppl_ratio: float
+    """ppl_candidate / ppl_reference."""
     ln_ppl_ratio_stderr: float
     """Standard error of ln(ppl ratio), from the paired per-token NLL differences."""
     rms_dp: float
     """RMS of p_cand(next) − p_ref(next) (llama.cpp's --kl-divergence figure)."""
     mean_dp: float
+    """Mean of p_cand(next) − p_ref(next)."""
     kl_hist: KLHist
+    """The per-token KL distribution (what compare plots)."""
     kl_mode: str
     """exact (full vocabulary) or cached-top<k>+tail (a lower bound of the exact KL)."""
 
 
 class Score(Record):
     value: float
+    """The metric's value."""
     stderr: float | None = None
+    """lm-eval's standard error (null when it gives none)."""
 
 
 class TaskResult(Record):
     status: Literal["ok", "skipped"]
+    """ok, or skipped (reason says why)."""
     reason: str | None = None
     """Why it was skipped."""
     hub: bool = False
     """A task whose data comes from the Hub."""
     metric: str | None = None
+    """The metric the drop is taken on."""
     higher_is_better: bool | None = None
+    """Direction of the metric."""
     reference: Score | None = None
+    """The reference model's score."""
     candidate: Score | None = None
+    """The candidate's score."""
     drop: float | None = None
     """How much worse the candidate is (reference − candidate for higher-is-better)."""
     drop_stderr: float | None = None
+    """Standard error of the drop."""
     n: int | None = None
     """Items scored."""
     all_metrics: dict[str, dict[str, Score]] = {}
@@ -83,15 +105,20 @@ class TaskResult(Record):
 
 class Benchmarks(Record):
     tasks: dict[str, TaskResult] = {}
+    """Per task: both scores and the drop."""
     limit: int | None = None
     """Items per task (lm-eval's limit), null = the whole set."""
     reference_cached: bool = False
+    """The reference's scores came from the stage cache."""
     hub_online: bool = False
+    """The Hub answered (hub tasks could download their data)."""
 
 
 class ModelRef(Record):
     path: Path
+    """The checkpoint folder."""
     model_hash: str
+    """Its identity (pipeline.model.files.model_hash)."""
 
 
 class CandidateRef(ModelRef):
@@ -103,66 +130,107 @@ class CandidateRef(ModelRef):
 
 class CorpusRef(Record):
     source: str | None = None
+    """The corpus the held-out tokens come from."""
     corpus_hash: str | None = None
+    """sha256 over the corpus documents."""
     heldout_hash: str
     """sha256 of the held-out ids that were scored (shape + int64 bytes)."""
     sequences: int
+    """Held-out sequences."""
     seq_len: int
+    """Tokens per sequence."""
     tokens_scored: int
+    """Positions scored (sequences × (seq_len − 1))."""
 
 
 class EvalSettings(Record):
     mode: str
+    """exact or cached-top<k>+tail."""
     topk: int | None
+    """Reference tokens stored per position (cached mode)."""
     kl_approximation: str | None
+    """How the cached KL relates to the exact one (null in exact mode)."""
     kl_dtype: str
+    """Precision the KL is summed in."""
     batch_size: int
+    """Sequences per forward pass."""
     device: str
+    """Where it ran."""
     dtype: str
+    """Compute dtype of both models (auto = the checkpoint's)."""
     kv_cache: str
+    """Whether the candidate's FP8 KV cache was in the loop."""
     weights_only_pass: bool
     """A second candidate pass ran with the KV-cache rounding off."""
 
 
 class KVShare(Record):
     kl_mean_kv_on: float
+    """Mean KL with the FP8 KV cache (as deployed)."""
     kl_mean_kv_off: float
+    """Mean KL with the KV rounding off."""
     kl_mean_added_by_kv: float
+    """What the FP8 KV cache adds."""
     fraction_of_kl_from_kv: float
+    """That addition as a share of the total."""
 
 
 class ReferenceCacheInfo(Record):
     key: str
+    """The entry's key in the stage cache."""
     hit: bool
+    """True when no reference pass ran."""
     path: Path
+    """The entry's folder."""
     file: str
+    """The safetensors file with the stored log-probs."""
     tokens: int
+    """Positions stored."""
     topk: int
+    """Tokens stored per position."""
     model_hash: str
+    """The reference's identity."""
     heldout_hash: str
+    """sha256 of the held-out ids."""
     sequences: int
+    """Held-out sequences."""
     seq_len: int
+    """Tokens per sequence."""
     dtype: str
+    """Compute dtype of the reference pass."""
     device: str
+    """Where the reference pass ran."""
     load_s: float
+    """Seconds to load the reference."""
     forward_s: float
+    """Seconds of the reference pass."""
     bytes: int
+    """Size of the stored file."""
 
 
 class EvalReport(Record):
     schema_version: int = SCHEMA_VERSION
+    """Version of this record's layout."""
     reference: ModelRef
+    """The unquantized model."""
     candidate: CandidateRef
+    """The quantized model."""
     corpus: CorpusRef
+    """The held-out tokens scored."""
     settings: EvalSettings
+    """How it was measured."""
     metrics: Metrics
     """The candidate as deployed (its FP8 KV cache in the loop when it has one)."""
     metrics_weights_only: Metrics | None = None
     """The same with the KV-cache rounding off (null: no KV scheme)."""
     kv_cache_share: KVShare | None = None
+    """The FP8 KV cache's part of the KL (null without one)."""
     reference_cache: ReferenceCacheInfo | None = None
+    """The cached reference pass used (null in exact mode)."""
     benchmarks: Benchmarks = Benchmarks()
+    """lm-eval tasks of both models."""
     timings: dict[str, float] = {}
+    """Seconds per step."""
 
     def summary(self) -> str:
         m = self.metrics
@@ -176,9 +244,13 @@ class Probe(Record):
     """The load-probe fingerprint: top-k logits of one forward pass (float32, CPU)."""
 
     format: Literal["qship-probe-v1"] = "qship-probe-v1"
+    """Fingerprint format."""
     prompt_ids: list[int]
+    """The probe's token ids."""
     top_k: int
+    """Tokens kept per position."""
     top_ids: list[list[int]]
+    """Per position, the top-k token ids."""
     top_logits: list[list[float]]
     """Rounded to 1e-4."""
 
@@ -187,6 +259,7 @@ class EvalFile(EvalReport):
     """eval.json: the evaluation with what the later stages add to it."""
 
     verdict: Verdict | None = None
+    """The gate's verdict."""
     quantize: QuantizeSummary | None = None
     """The quantize figures a comparison row shows (absent when evaluate ran alone on a
     folder without quantize_report.json)."""

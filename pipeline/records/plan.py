@@ -15,7 +15,9 @@ class ModuleScheme(Record):
     """An integer weight scheme as it applies to one module (group size resolved)."""
 
     bits: int
+    """Bits per weight value (4 or 8)."""
     symmetric: bool
+    """Symmetric (no zero point) or asymmetric (a zero point per group)."""
     group_size: int | None
     """Weights per scale along the input dimension; null = one scale per output channel."""
     observer: str | None = None
@@ -36,10 +38,13 @@ class ModulePlan(Record):
     group: str
     """The recipe group that claims it."""
     method: Method
+    """awq, gptq, rtn, or none (kept in 16-bit)."""
     scheme: ModuleScheme | None
     """null: kept in the recipe's dtype."""
     in_features: int
+    """Input width (the group size must divide it)."""
     out_features: int
+    """Output width."""
     tied: bool
     """Its weight is the input embedding's (stored once, as the embedding)."""
     bits_per_weight: float
@@ -54,8 +59,11 @@ class MappingPlan(Record):
     kind: str
     """norm->qkv, v->o, norm->gate/up or up->down."""
     smooth: str
+    """The module whose output is rescaled (a norm, or v_proj / up_proj)."""
     balance: list[str]
+    """The Linear modules the inverse scale is folded into."""
     applied: bool
+    """False when the mapping was skipped (reason says why)."""
     reason: str
     """Why it was skipped (or "shapes compatible")."""
 
@@ -71,6 +79,7 @@ class BitsPerWeight(Record):
 
 class ParamCounts(Record):
     total: int
+    """Parameters of the model (a tied head counted once)."""
     dense_bytes: int
     """Size of the unquantized model in the recipe's dtype."""
     quantized_linear: int
@@ -79,19 +88,31 @@ class ParamCounts(Record):
 
 class Plan(Record):
     recipe_name: str
+    """The recipe's name."""
     recipe_hash: str
+    """Recipe.hash() of the resolved recipe."""
     architecture: str
+    """The model class (Gemma3ForCausalLM ...)."""
     model_type: str
+    """config.json's model_type."""
     dtype: str
     """The dtype of everything left unquantized."""
     modules: list[ModulePlan]
+    """Every Linear module, in module order."""
     mappings: list[MappingPlan]
+    """The AWQ smoothing mappings for the AWQ groups (empty without AWQ)."""
     kv_cache: KVCache | None
+    """The KV-cache scheme, or null for a 16-bit KV cache."""
     decoder_layers: list[str]
+    """The decoder layers, in order (llm-compressor's sequential pipeline goes layer by layer)."""
     bits_per_weight: BitsPerWeight
+    """Stored bits per weight (scales and zero points included)."""
     expected_checkpoint_bytes: int
+    """The size the saved checkpoint should have."""
     params: ParamCounts
+    """Parameter counts."""
     notes: list[str] = []
+    """What the plan could not do as asked (skipped mappings, AWQ modules without smoothing)."""
 
     def by_name(self) -> dict[str, ModulePlan]:
         return {m.name: m for m in self.modules}
@@ -113,8 +134,10 @@ class Plan(Record):
             labels = Counter(m.scheme.label() if m.scheme else f"{self.dtype} (kept)" for m in mods)
             schemes = ", ".join(f"{k} ×{n}" if len(labels) > 1 else k for k, n in labels.items())
             tied = " (tied to the embedding)" if any(m.tied for m in mods) else ""
+            n = len(mods)
             lines.append(
-                f"  {group:<12} {mods[0].method:<5} {schemes:<24} {len(mods):>4} modules{tied}"
+                f"  {group:<12} {mods[0].method:<5} {schemes:<24} {n:>4} module{'s' * (n != 1)}"
+                + tied
             )
         applied = len(self.applied_mappings())
         kv = f"KV cache {self.kv_cache.scheme} per tensor" if self.kv_cache else "KV cache 16-bit"

@@ -11,27 +11,39 @@ from .verdict import Verdict
 
 class StageRow(Record):
     stage: str
+    """recipe, fetch, tokens, quantize, evaluate, gate, package or publish."""
     seconds: float
+    """Wall time of the stage."""
     cache_hit: bool = False
+    """The stage's result came from the stage cache."""
     key: str | None = None
     """The stage's entry in the stage cache."""
     note: str = ""
+    """The stage's one-line summary."""
 
 
 class ErrorInfo(Record):
     error: str
     """The exception class (GateFailed, IntegrityError ...)."""
     exit_code: int
+    """The CLI's exit code for it."""
     message: str
+    """What failed, naming the file or field."""
     path: str | None = None
+    """The file or field at fault."""
     hint: str | None = None
+    """What to do."""
 
 
 class RunRecord(Record):
     schema_version: int = SCHEMA_VERSION
+    """Version of this record's layout."""
     model: str
+    """The --model source."""
     recipe: str
+    """The recipe file."""
     recipe_name: str
+    """The recipe's name."""
     artifact: Path | None = None
     """The artifact folder; null unless the gate passed and packaging finished."""
     report_dir: Path
@@ -39,9 +51,13 @@ class RunRecord(Record):
     passed: bool | None = None
     """The gate's verdict (null when the run stopped before the gate)."""
     verdict: Verdict | None = None
+    """The gate's verdict (null before the gate)."""
     stages: list[StageRow] = []
+    """One row per stage run, in order."""
     published: PublishResult | None = None
+    """Where the artifact was published (null unless --publish-to)."""
     error: ErrorInfo | None = None
+    """The error that ended the run (null on success)."""
 
     def summary(self) -> str:
         if self.artifact:

@@ -15,8 +15,11 @@ class Check(Record):
     value: float | None
     """The measured value (null when it could not be measured: the check fails)."""
     limit: float
+    """The recipe's limit."""
     op: Literal["<=", ">="]
+    """How value compares with limit."""
     passed: bool
+    """The check held."""
     note: str | None = None
     """Why a value is missing, or what was compared."""
 
@@ -25,6 +28,7 @@ class Verdict(Record):
     passed: bool
     """True when every check passed (also when no gate is configured)."""
     checks: list[Check] = []
+    """One per configured gate, in the recipe's order (metric gates, then tasks)."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property
