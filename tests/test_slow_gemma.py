@@ -30,7 +30,9 @@ def gemma_run(tmp_path_factory, repo_root, qship_test_cache, gemma_snapshot):
     from pipeline.cli import main
 
     d = yaml.safe_load((repo_root / "recipes" / "gemma-mixed-w4.yaml").read_text())
-    d.update(name="gemma-mixed-w4-small", **{k: {**d.get(k, {}), **v} for k, v in SMALL.items()})
+    d.update(name="gemma-mixed-w4-small", gates=SMALL["gates"])
+    for k in ("calibration", "evaluation"):
+        d[k].update(SMALL[k])
     work = tmp_path_factory.mktemp("gemma-run")
     recipe = work / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(d))
