@@ -4,10 +4,14 @@ Top-level keys (all others are an error):
 
     name, description
     dtype        bfloat16 | float16 | float32   -- for everything that stays unquantized
-    groups       [{name, targets: [...], method: awq|gptq|rtn|none,
-                   scheme: {bits, symmetric, group_size, observer}, options: {...}}]
+    groups       [{name, roles: [attention|mlp|experts|router|embeddings|lm_head],
+                   targets: [...], exclude: [...], method: awq|gptq|rtn|none,
+                   scheme: {bits, symmetric, group_size, observer, on_indivisible},
+                   options: {...}}]
+    others       error | keep      -- a Linear no group claims
     kv_cache     {scheme: fp8_e4m3, strategy: tensor, dynamic: false} | null
-    calibration  {source, num_samples, seq_len, batch_size, seed}
+    calibration  {source, num_samples, seq_len, batch_size, seed, all_experts,
+                  min_expert_tokens}
     evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit}
     gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {score_drop_max}}}
 
@@ -53,6 +57,9 @@ class Scheme(_Strict):
     # mse = llm-compressor's "mse" observer, a grid search over shrunken ranges that keeps
     # the one with the least rounding error (clipping a few outliers buys finer steps)
     observer: Literal["mse"] | None = None
+    # a module whose input width the group size does not divide: error (exit 2), or
+    # fallback to the largest group size >= 32 that divides it, else one scale per channel
+    on_indivisible: Literal["error", "fallback"] = "error"
 
     @field_validator("group_size")
     @classmethod
@@ -78,15 +85,26 @@ class Options(_Strict):
         return {k for k, v in self.model_dump().items() if v is not None}
 
 
+Role = Literal["attention", "mlp", "experts", "router", "embeddings", "lm_head"]
+
+
 class Group(_Strict):
     name: str = Field(min_length=1)
-    targets: list[str] = Field(min_length=1)
+    # what the group claims: roles (resolved from the model's structure, pipeline/model/
+    # roles.py: one recipe fits every family) and/or targets (module names, class names or
+    # 're:' regexes, matched as llm-compressor matches them)
+    roles: list[Role] = Field(default_factory=list)
+    targets: list[str] = Field(default_factory=list)
+    # modules taken out of what roles/targets claim (another group takes them), same syntax
+    exclude: list[str] = Field(default_factory=list)
     method: Method
     scheme: Scheme | None = None
     options: Options = Field(default_factory=Options)
 
     @model_validator(mode="after")
     def _consistent(self) -> Group:
+        if not self.roles and not self.targets:
+            raise ValueError("a group needs `roles` or `targets` (or both)")
         if self.method == "none":
             if self.scheme is not None:
                 raise ValueError(
@@ -104,7 +122,7 @@ class Group(_Strict):
                 f"options {sorted(bad)} do not apply to method '{self.method}' "
                 f"(allowed: {sorted(allowed) or 'none'}); delete them"
             )
-        for t in self.targets:
+        for t in [*self.targets, *self.exclude]:
             if t.startswith("re:"):
                 import re
 
@@ -127,6 +145,12 @@ class CalibrationConfig(_Strict):
     seq_len: int = Field(default=512, gt=1)
     batch_size: int = Field(default=16, gt=0)
     seed: int = 0
+    # MoE: every expert sees every calibration token (the layer's output still uses only the
+    # routed experts); off, an expert the router rarely picks may get too few tokens
+    all_experts: bool = True
+    # MoE: an expert that received fewer calibration tokens than this fails the run (exit 1)
+    # instead of being written with scales from (almost) no data
+    min_expert_tokens: int = Field(default=64, ge=1)
 
     @field_validator("source")
     @classmethod
@@ -168,6 +192,8 @@ class Recipe(_Strict):
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     gates: Gates = Field(default_factory=Gates)
+    # a Linear module that no group claims: error (exit 2, naming it), or keep it 16-bit
+    others: Literal["error", "keep"] = "error"
 
     # where it was read from (for error messages); not part of the hash
     _path: str | None = None

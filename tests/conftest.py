@@ -35,6 +35,13 @@ def tiny_llama() -> Path:
     return MODELS / "tiny-llama"
 
 
+@pytest.fixture(scope="session")
+def tiny_moe() -> Path:
+    """Tiny trained Qwen3-MoE (8 experts, top-2) whose router never picks experts 6 and 7 in
+    layer 1 on English text; see tests/fixtures/make_tiny_models.py."""
+    return MODELS / "tiny-qwen3moe"
+
+
 # --- package / verify / publish -------------------------------------------------------
 # The artifact fixtures are made by the code that makes real ones: tiny-llama fetched,
 # quantized by a small RTN recipe (int4 sym g128, lm_head kept, no KV scheme: no

@@ -71,7 +71,10 @@ def test_all_recipes_load_with_gates_and_comment():
         assert len(r.hash()) == 64
     default = load_recipe(ROOT / "recipes" / "gemma-mixed-w4.yaml")
     methods = {
-        g.name: (g.method, g.scheme and ModuleScheme(**g.scheme.model_dump()).label())
+        g.name: (
+            g.method,
+            g.scheme and ModuleScheme(**g.scheme.model_dump(exclude={"on_indivisible"})).label(),
+        )
         for g in default.groups
     }
     assert methods == {
@@ -178,7 +181,7 @@ def test_overlap_by_class_name(tmp_path, tiny_llama, capsys):
 
 def test_target_matching_nothing(tmp_path, tiny_gemma, capsys):
     d = _base()
-    d["groups"][1]["targets"].append("re:.*feed_forward\\.w1$")
+    d["groups"][1]["targets"] = ["re:.*mlp\\.down_proj$", "re:.*feed_forward\\.w1$"]
     code, err = _plan_exit(tiny_gemma, _write(tmp_path, d), capsys)
     assert code == 2
     assert "groups[1].targets[1]" in err["message"] and "matches no module" in err["message"]
@@ -187,19 +190,23 @@ def test_target_matching_nothing(tmp_path, tiny_gemma, capsys):
 
 def test_group_size_must_divide_input_width(tmp_path, tiny_llama, capsys):
     d = _base()
-    d["groups"][1]["scheme"]["group_size"] = 256  # llama down_proj takes 384
+    d["groups"][1]["scheme"].update(group_size=256, on_indivisible="error")  # widths 128, 384
     code, err = _plan_exit(tiny_llama, _write(tmp_path, d), capsys)
     assert code == 2
     msg = err["message"]
     assert "groups[1].scheme.group_size" in msg
     assert "model.layers.0.mlp.gate_proj" in msg and "width 128" in msg
-    assert "divides 128" in err["hint"]
+    assert "divides 128" in err["hint"] and "on_indivisible: fallback" in err["hint"]
+    # with the fallback a size that divides none of the group's widths is still an error
+    d["groups"][1]["scheme"]["on_indivisible"] = "fallback"
+    code, err = _plan_exit(tiny_llama, _write(tmp_path, d), capsys)
+    assert code == 2 and "divides none of this model's Linear input widths" in err["message"]
 
 
 def test_group_size_names_the_wide_module(tmp_path, tiny_llama, capsys):
     d = _base()
-    d["groups"][1]["targets"] = ["re:.*mlp\\.(gate|up|down)_proj$"]
-    d["groups"][1]["scheme"]["group_size"] = 256
+    d["groups"][1].pop("roles")
+    d["groups"][1]["scheme"].update(group_size=256, on_indivisible="error")
     d["groups"][1]["targets"] = ["re:.*mlp\\.down_proj$"]
     d["groups"].insert(
         2, {"name": "mlp_in", "targets": ["re:.*mlp\\.(gate|up)_proj$"], "method": "none"}

@@ -152,7 +152,7 @@ def test_write_recipe_needs_budget_and_keeps_existing_file(tiny_gemma, small_rtn
     assert existing.read_text() == "keep me\n"
 
 
-def test_upgrade_of_exact_name_targets_lists_the_remaining_modules(tiny_gemma):
+def test_upgrade_excludes_the_chosen_modules_from_their_old_group(tiny_gemma):
     from pipeline.compare.sensitivity import upgrade_recipe
 
     data = {
@@ -173,12 +173,19 @@ def test_upgrade_of_exact_name_targets_lists_the_remaining_modules(tiny_gemma):
     pick = [{"name": "model.layers.0.mlp.down_proj", "group": "all"}]
     out = upgrade_recipe(copy.deepcopy(data), base, plan, pick)
     assert [g["name"] for g in out["groups"]] == ["all", "all-int8", "rest", "head"]
-    assert sorted(out["groups"][0]["targets"]) == [
-        "model.layers.0.mlp.gate_proj",
-        "model.layers.0.mlp.up_proj",
-    ]
+    assert out["groups"][0]["targets"] == data["groups"][0]["targets"]  # claims unchanged
+    assert out["groups"][0]["exclude"] == ["model.layers.0.mlp.down_proj"]
     assert out["groups"][1]["targets"] == ["model.layers.0.mlp.down_proj"]
     assert out["groups"][1]["scheme"]["bits"] == 8
+    by = plan_for_dir(tiny_gemma, load_recipe_from(out, tiny_gemma)).by_name()
+    assert (
+        by["model.layers.0.mlp.down_proj"].group,
+        by["model.layers.0.mlp.down_proj"].scheme.bits,
+    ) == ("all-int8", 8)
+    assert (
+        by["model.layers.0.mlp.up_proj"].group,
+        by["model.layers.0.mlp.up_proj"].scheme.bits,
+    ) == ("all", 4)
 
 
 def load_recipe_from(data: dict, _model: Path):

@@ -234,18 +234,10 @@ def choose_upgrades(rows: list[dict], plan: Plan, max_bits: float) -> tuple[list
     return chosen, total_bits / n_weights
 
 
-def _exclude(targets: list[str], names: list[str], members: list[str]) -> list[str]:
-    """`targets` minus the modules `names` (a negative lookahead on regex targets; a group
-    with class-name or exact targets is spelled out as its remaining modules)."""
-    if all(t.startswith("re:") for t in targets):
-        look = "(?!(?:" + "|".join(re.escape(n) for n in sorted(names)) + ")$)"
-        return [f"re:{look}{t[3:]}" for t in targets]
-    return [m for m in members if m not in set(names)]
-
-
 def upgrade_recipe(recipe_data: dict, recipe: Recipe, plan: Plan, chosen: list[dict]) -> dict:
     """A copy of the recipe (YAML data) where the `chosen` modules form new groups
-    `<group>-int8`: same method, options and scheme, 8 bits; their old groups exclude them."""
+    `<group>-int8`: same method, options and scheme, 8 bits; their old groups `exclude`
+    them (and keep their roles and targets, so the rest of the recipe stays portable)."""
     data = copy.deepcopy(recipe_data)
     by_group: dict[str, list[str]] = {}
     for r in chosen:
@@ -257,13 +249,15 @@ def upgrade_recipe(recipe_data: dict, recipe: Recipe, plan: Plan, chosen: list[d
         if not names:
             groups.append(g)
             continue
-        keep = [m.name for m in members[g["name"]]]
-        g = {**g, "targets": _exclude(list(g["targets"]), names, keep)}
         up = copy.deepcopy(g)
-        up["name"] = f"{g['name']}-int{UPGRADE_BITS}"
-        up["targets"] = sorted(names)
-        up["scheme"] = {**g["scheme"], "bits": UPGRADE_BITS}
-        groups += [g, up] if g["targets"] else [up]
+        up.pop("roles", None)
+        up.pop("exclude", None)
+        up.update(name=f"{g['name']}-int{UPGRADE_BITS}", targets=sorted(names),
+                  scheme={**g["scheme"], "bits": UPGRADE_BITS})  # fmt: skip
+        if len(names) == len(members[g["name"]]):
+            groups.append(up)  # every module moved: the old group would claim nothing
+            continue
+        groups += [{**g, "exclude": sorted({*g.get("exclude", []), *names})}, up]
     data["groups"] = groups
     data["name"] = f"{recipe.name}-sens{len(chosen)}"
     data["description"] = (

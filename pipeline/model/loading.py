@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .devices import device_kind
+from .moe import linearize, linearize_meta
 
 
 def _require_checkpoint(path: Path) -> Path:
@@ -20,10 +21,13 @@ def _require_checkpoint(path: Path) -> Path:
     return path
 
 
-def load_model(path: Path, *, device: str, dtype: str | None = None) -> Any:
+def load_model(
+    path: Path, *, device: str, dtype: str | None = None, linear_experts: bool = False
+) -> Any:
     """A causal LM in eval mode on `device`. dtype None: float32 on the CPU (16-bit GEMMs
     are ~70x slower there, devices.py), the checkpoint's own dtype elsewhere. Compressed
-    checkpoints are decompressed by transformers (compressed-tensors), FP8 KV hooks on."""
+    checkpoints are decompressed by transformers (compressed-tensors), FP8 KV hooks on.
+    `linear_experts`: MoE experts as per-expert Linear modules (moe.py), to quantize them."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -33,6 +37,8 @@ def load_model(path: Path, *, device: str, dtype: str | None = None) -> Any:
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=getattr(torch, dtype) if dtype else "auto"
     )
+    if linear_experts:
+        linearize(model)
     return model.to(device).eval()
 
 
@@ -43,12 +49,15 @@ def load_config(path: Path) -> Any:
 
 
 def meta_model(config: Any) -> Any:
-    """The model's module tree on the meta device: no weights read, no memory used."""
+    """The model's module tree on the meta device (no weights read, no memory used), MoE
+    experts as the per-expert Linear modules that quantize and the checkpoint have."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+    linearize_meta(model)
+    return model
 
 
 def load_meta_model(path: Path) -> Any:

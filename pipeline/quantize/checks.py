@@ -18,6 +18,7 @@ import torch
 from ..errors import StageError
 from ..model.checkpoint import CheckpointInspection, inspect_checkpoint
 from ..model.loading import load_model
+from ..recipe import Recipe
 from ..records.plan import Plan
 
 HINT = "report this as a bug with the recipe; the checkpoint was not kept"
@@ -52,6 +53,28 @@ def check_against_plan(insp: CheckpointInspection, plan: Plan, *, where: str) ->
             f"has {plan.kv_cache}",
             path=where,
             hint=HINT,
+        )
+
+
+def check_expert_tokens(
+    counts: dict[str, int], plan: Plan, recipe: Recipe, model_dir: Path
+) -> None:
+    """Every expert whose rounding depends on data (GPTQ, AWQ) received at least
+    `calibration.min_expert_tokens` calibration tokens: an expert the router never chose
+    would otherwise be saved with scales from no data (NaN or zero)."""
+    need = recipe.calibration.min_expert_tokens
+    data = {m.name.rsplit(".", 1)[0] for m in plan.modules if m.role == "experts"
+            and m.method in ("gptq", "awq")}  # fmt: skip
+    starved = sorted(((n, c) for n, c in counts.items() if n in data and c < need),
+                     key=lambda nc: (nc[1], nc[0]))  # the emptiest first  # fmt: skip
+    if starved:
+        shown = ", ".join(f"{n} ({c})" for n, c in starved[:5])
+        raise StageError(
+            f"{len(starved)} expert(s) received fewer than {need} calibration tokens: {shown}"
+            + (" …" if len(starved) > 5 else ""),
+            path=str(model_dir),
+            hint="calibrate every expert on every token (`calibration.all_experts: true`, the "
+            "default), add calibration samples, or lower `calibration.min_expert_tokens`",
         )
 
 

@@ -30,7 +30,7 @@ from ..records.checkpoint import (
     QuantizedCheckpoint,
     QuantizeTimings,
 )
-from .checks import check_saved, verify_reload
+from .checks import check_expert_tokens, check_saved, verify_reload
 from .memory import PhasePeaks, release_llmcompressor_session
 from .metrics import capture_metrics
 from .modifiers import build_modifiers
@@ -68,6 +68,7 @@ def _oneshot_kwargs(recipe: Recipe, tokens: TokenSets, bare: bool) -> dict[str, 
     kwargs: dict[str, Any] = {
         "num_calibration_samples": int(ids.shape[0]),
         "max_seq_length": int(ids.shape[1]),
+        "moe_calibrate_all_experts": recipe.calibration.all_experts,
     }
     if recipe.needs_calibration():
         mask = torch.ones_like(ids)
@@ -98,7 +99,9 @@ def _quantize(
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
-    model = load_model(model_dir, device=device, dtype=compute_dtype(recipe.dtype, device))
+    model = load_model(
+        model_dir, device=device, dtype=compute_dtype(recipe.dtype, device), linear_experts=True
+    )
     plan = build_plan(model, recipe)
     modifiers = build_modifiers(plan, recipe)
     kwargs = _oneshot_kwargs(recipe, tokens, bare)
@@ -122,6 +125,7 @@ def _quantize(
             ) from e
     t_oneshot = time.perf_counter() - t1
     peaks.end_phase("oneshot")
+    check_expert_tokens(got.expert_tokens, plan, recipe, model_dir)
     log.detail(f"oneshot done in {t_oneshot:.1f} s; saving compressed")
 
     with atomic_dir(out_dir) as tmp:
@@ -165,6 +169,7 @@ def _quantize(
             gptq=got.gptq,
             awq=got.awq,
             layers=got.layers,
+            expert_tokens=got.expert_tokens,
             checkpoint=CheckpointSummary(
                 bytes=insp.bytes,
                 expected_bytes=plan.expected_checkpoint_bytes,

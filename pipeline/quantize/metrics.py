@@ -23,6 +23,29 @@ class Captured:
     gptq: dict[str, float] = field(default_factory=dict)
     awq: list[AwqMappingResult] = field(default_factory=list)
     layers: list[LayerTime] = field(default_factory=list)
+    # MoE: calibration tokens each expert received (the propagation pass after a layer is
+    # compressed is not counted)
+    expert_tokens: dict[str, int] = field(default_factory=dict)
+
+
+def _count_expert_tokens(model: Any, layers: list[str], got: Captured, done: set[str]) -> list[Any]:
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+
+    hooks = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, LinearExperts2D):
+            continue
+        layer = next((lay for lay in layers if name.startswith(lay + ".")), name)
+        for i in range(mod.num_experts):
+            path = f"{name}.{i}"
+            got.expert_tokens[path] = 0
+
+            def count(_m: Any, args: Any, path: str = path, layer: str = layer) -> None:
+                if layer not in done and args and hasattr(args[0], "shape"):
+                    got.expert_tokens[path] += int(args[0].reshape(-1, args[0].shape[-1]).shape[0])
+
+            hooks.append(mod[i].register_forward_pre_hook(count))
+    return hooks
 
 
 @contextlib.contextmanager
@@ -34,6 +57,8 @@ def capture_metrics(model: Any, plan: Plan) -> Iterator[Captured]:
     names = {id(m): n for n, m in model.named_modules()}
     layers = set(plan.decoder_layers)
     got = Captured()
+    done: set[str] = set()  # decoder layers whose calibration pass is over
+    counters = _count_expert_tokens(model, plan.decoder_layers, got, done)
     t_last = [time.perf_counter()]
     bar = log.Progress("calibrate", len(plan.decoder_layers), unit="layers")
 
@@ -66,14 +91,15 @@ def capture_metrics(model: Any, plan: Plan) -> Iterator[Captured]:
         now = time.perf_counter()
         layer = next((names.get(id(m)) for m in modules if names.get(id(m)) in layers), None)
         layer = layer or f"subgraph {len(got.layers) + 1} (no decoder layer)"
+        done.add(layer)
         cuda = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
         got.layers.append(
             LayerTime(layer=layer, seconds=round(now - t_last[0], 3), cuda_max_allocated_bytes=cuda)
         )
         t_last[0] = now
-        done = sum(1 for r in got.layers if r.layer in layers)
-        log.detail(f"[{done}/{len(layers)} layers] {layer} done in {got.layers[-1].seconds:.2f} s")
-        bar.update(done, layer)
+        n = sum(1 for r in got.layers if r.layer in layers)
+        log.detail(f"[{n}/{len(layers)} layers] {layer} done in {got.layers[-1].seconds:.2f} s")
+        bar.update(n, layer)
         return out
 
     with (
@@ -82,4 +108,8 @@ def capture_metrics(model: Any, plan: Plan) -> Iterator[Captured]:
         patched(LifecycleCallbacks, "sequential_epoch_end", classmethod(epoch_end)),
         bar,
     ):
-        yield got
+        try:
+            yield got
+        finally:
+            for h in counters:
+                h.remove()

@@ -1,23 +1,22 @@
 """The plan as llm-compressor modifiers (one calibration pass, sequential pipeline), in order:
 
-  AWQModifier (transform only) with explicit per-layer mappings restricted to AWQ groups
-  QuantizationModifier: config_groups for the AWQ groups and the RTN groups + KV scheme
-  GPTQModifier per distinct option set: config_groups for the GPTQ groups
+  AWQModifier (transform only) per AWQ option set, with the plan's applied mappings
+  QuantizationModifier: config groups of the AWQ and RTN modules (+ the FP8 KV scheme)
+  GPTQModifier per GPTQ option set: config groups of its modules
 
-`none` groups are matched by no modifier and stay in the recipe's dtype.
+Config-group targets come from the plan's exact module sets (model.matching.compact_targets:
+one regex per group when that is exact), so what llm-compressor quantizes is what the plan
+says, also for roles and for modules whose group size fell back. `none` modules are matched
+by no group and stay in the recipe's dtype.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..recipe import Group, Recipe
+from ..model.matching import compact_targets
+from ..recipe import Recipe
 from ..records.plan import ModuleScheme, Plan
-
-
-def _scheme(g: Group) -> ModuleScheme:
-    assert g.scheme is not None
-    return ModuleScheme(**g.scheme.model_dump())
 
 
 def qargs(scheme: ModuleScheme) -> dict[str, Any]:
@@ -36,36 +35,55 @@ def qargs(scheme: ModuleScheme) -> dict[str, Any]:
     return d
 
 
+def config_groups(plan: Plan, groups: list[str]) -> dict[str, Any]:
+    """{config group name: QuantizationScheme} for the plan's modules in `groups`: one per
+    (recipe group, scheme) -- a group whose modules fell back to another group size splits."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    parts: dict[tuple[str, str], tuple[ModuleScheme, list[str]]] = {}
+    for m in plan.modules:
+        if m.scheme is not None and m.group in groups:
+            key = (m.group, m.scheme.model_dump_json())
+            parts.setdefault(key, (m.scheme, []))[1].append(m.name)
+    universe = [m.name for m in plan.modules]
+    out = {}
+    for (group, _), (scheme, names) in parts.items():
+        split = sum(1 for g, _ in parts if g == group) > 1
+        name = f"{group}-g{scheme.group_size or 'ch'}" if split else group
+        out[name] = QuantizationScheme(
+            targets=compact_targets(names, universe), weights=QuantizationArgs(**qargs(scheme))
+        )
+    return out
+
+
+def _option_sets(recipe: Recipe, plan: Plan, method: str) -> dict[str, list[str]]:
+    present = {m.group for m in plan.modules}
+    sets: dict[str, list[str]] = {}
+    for g in recipe.groups:
+        if g.method == method and g.name in present:
+            sets.setdefault(g.options.model_dump_json(), []).append(g.name)
+    return sets
+
+
 def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
     """The llm-compressor modifiers for this plan (see the module docstring)."""
     import torch
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationArgs
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQMapping, AWQModifier
 
     groups = {g.name: g for g in recipe.groups}
-    present = {m.group for m in plan.modules}
     kv = None
     if recipe.kv_cache is not None:
-        kv = QuantizationArgs(
-            num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True
-        )
-
-    mods: list[Any] = []
-    # AWQ: one modifier per distinct option set, mappings restricted to its groups
-    awq_sets: dict[str, list[str]] = {}
-    for g in recipe.groups:
-        if g.method == "awq" and g.name in present:
-            awq_sets.setdefault(g.options.model_dump_json(), []).append(g.name)
+        kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False,
+                              symmetric=True)  # fmt: skip
     owner = {m.name: m.group for m in plan.modules}
-    for _key, names in awq_sets.items():
+    mods: list[Any] = []
+    for names in _option_sets(recipe, plan, "awq").values():
         opts = groups[names[0]].options
-        maps = [
-            AWQMapping(mp.smooth, list(mp.balance))
-            for mp in plan.applied_mappings()
-            if owner.get(mp.balance[0]) in names
-        ]
+        maps = [AWQMapping(mp.smooth, list(mp.balance)) for mp in plan.applied_mappings()
+                if owner.get(mp.balance[0]) in names]  # fmt: skip
         kw: dict[str, Any] = {"mappings": maps}
         if opts.n_grid is not None:
             kw["n_grid"] = opts.n_grid
@@ -78,33 +96,15 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
         if maps:
             mods.append(AWQModifier(**kw))
 
-    qm_groups = {}
-    for g in recipe.groups:
-        if g.method in ("awq", "rtn") and g.name in present:
-            qm_groups[g.name] = QuantizationScheme(
-                targets=list(g.targets), weights=QuantizationArgs(**qargs(_scheme(g)))
-            )
-    gptq_sets: dict[str, list[str]] = {}
-    for g in recipe.groups:
-        if g.method == "gptq" and g.name in present:
-            gptq_sets.setdefault(g.options.model_dump_json(), []).append(g.name)
-
+    rtn_awq = [g.name for g in recipe.groups if g.method in ("awq", "rtn")]
+    qm_groups = config_groups(plan, rtn_awq)
+    gptq_sets = _option_sets(recipe, plan, "gptq")
     if qm_groups or (kv is not None and not gptq_sets):
-        kw = {"config_groups": qm_groups or None, "kv_cache_scheme": kv}
-        if not qm_groups:  # KV only: a QuantizationModifier needs some config
-            kw = {"kv_cache_scheme": kv, "config_groups": {}}
-        mods.append(QuantizationModifier(**kw))
+        mods.append(QuantizationModifier(config_groups=qm_groups, kv_cache_scheme=kv))
         kv = None
-    for _key, names in gptq_sets.items():
+    for names in gptq_sets.values():
         opts = groups[names[0]].options
-        cg = {
-            n: QuantizationScheme(
-                targets=list(groups[n].targets),
-                weights=QuantizationArgs(**qargs(_scheme(groups[n]))),
-            )
-            for n in names
-        }
-        kw = {"config_groups": cg}
+        kw = {"config_groups": config_groups(plan, names)}
         if opts.dampening_frac is not None:
             kw["dampening_frac"] = opts.dampening_frac
         if opts.actorder is not None:
@@ -112,7 +112,6 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
         if opts.block_size is not None:
             kw["block_size"] = opts.block_size
         if kv is not None:
-            kw["kv_cache_scheme"] = kv
-            kv = None
+            kw["kv_cache_scheme"], kv = kv, None
         mods.append(GPTQModifier(**kw))
     return mods

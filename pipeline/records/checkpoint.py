@@ -149,6 +149,8 @@ class QuantizedCheckpoint(Record):
     """AWQ's result per smoothing mapping."""
     layers: list[LayerTime] = []
     """Time (and CUDA peak) per decoder layer."""
+    expert_tokens: dict[str, int] = {}
+    """MoE: calibration tokens each expert received (its module path -> tokens)."""
     checkpoint: CheckpointSummary
     """Size and bits of the saved checkpoint."""
     checks: PostSaveChecks

@@ -45,6 +45,10 @@ class ModulePlan(Record):
     """Input width (the group size must divide it)."""
     out_features: int
     """Output width."""
+    role: str | None = None
+    """attention, mlp, experts, router or lm_head (pipeline/model/roles.py); null: none."""
+    note: str = ""
+    """Why it is kept, or which fallback group size it got."""
     tied: bool
     """Its weight is the input embedding's (stored once, as the embedding)."""
     bits_per_weight: float
@@ -105,6 +109,10 @@ class Plan(Record):
     """The KV-cache scheme, or null for a 16-bit KV cache."""
     decoder_layers: list[str]
     """The decoder layers, in order (llm-compressor's sequential pipeline goes layer by layer)."""
+    structure_rule: str = ""
+    """Which rules resolved the roles (checked family, or the generic structural rules)."""
+    roles: dict[str, int] = {}
+    """Modules per role."""
     bits_per_weight: BitsPerWeight
     """Stored bits per weight (scales and zero points included)."""
     expected_checkpoint_bytes: int
@@ -130,6 +138,9 @@ class Plan(Record):
     def summary(self) -> str:
         """A few lines: each group with its method, schemes and module count; KV; size."""
         lines = [f"{self.recipe_name} on {self.architecture}: {len(self.modules)} Linear modules"]
+        if self.roles:
+            found = ", ".join(f"{r} {n}" for r, n in self.roles.items() if n)
+            lines.append(f"  roles: {found} ({self.structure_rule.split(':')[0]})")
         for group, mods in self.groups().items():
             labels = Counter(m.scheme.label() if m.scheme else f"{self.dtype} (kept)" for m in mods)
             schemes = ", ".join(f"{k} ×{n}" if len(labels) > 1 else k for k, n in labels.items())
