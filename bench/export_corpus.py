@@ -5,8 +5,8 @@ document split and the same token sets as builtin:english (pipeline/data/tokens.
 CPU runs are scored on the very same held-out tokens.
 
     python bench/export_corpus.py DIR recipes/*.yaml [bench/recipes/*.yaml]
-      -> DIR/english.jsonl and DIR/recipes/<name>.yaml (calibration.source = DIR/english.jsonl,
-         no lm-eval tasks: the device has no lm-eval)
+      -> DIR/english.jsonl and DIR/recipes/<name>.yaml (calibration.source = DIR/english.jsonl;
+         lm-eval and the benchmark data travel too: bench/gpu_wheels.txt, gpu_session.sh)
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ def main() -> int:
     for r in a.recipes:
         d = yaml.safe_load(r.read_text())
         d.setdefault("calibration", {})["source"] = jl.as_posix()
-        # the lent GPU has no lm-eval: benchmark scores come from the CPU runs
-        d.setdefault("evaluation", {}).update(tasks=[], hub_tasks=[])
         (a.dir / "recipes" / r.name).write_text(yaml.safe_dump(d, sort_keys=False))
     print(f"{jl} ({len(ds)} documents, corpus {corpus_hash(ds)[:12]}); {len(a.recipes)} recipes")
     return 0

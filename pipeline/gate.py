@@ -54,27 +54,21 @@ def check(report: EvalReport, gates: Gates) -> Verdict:
     tasks = report.benchmarks.tasks
     for task, tg in sorted(gates.tasks.items()):
         t = tasks.get(task)
-        name, limit = f"tasks.{task}.score_drop_max", float(tg.score_drop_max)
-        if t is None:
-            note = "task was not evaluated (list it in evaluation.tasks or hub_tasks)"
-            checks.append(
-                Check(name=name, value=None, limit=limit, op="<=", passed=False, note=note)
-            )
-        elif t.status != "ok" or t.drop is None or t.reference is None or t.candidate is None:
-            note = f"task did not run: {t.status}: {t.reason or ''}"
+        name, limit = f"tasks.{task}.max_drop", float(tg.max_drop)
+        if t is None or t.status != "ok" or t.drop_pp is None:
+            note = "task was not evaluated" if t is None else f"task did not run: {t.describe()}"
             checks.append(
                 Check(name=name, value=None, limit=limit, op="<=", passed=False, note=note)
             )
         else:
-            note = f"{t.metric}: {t.reference.value:.6g} -> {t.candidate.value:.6g}"
             checks.append(
                 Check(
                     name=name,
-                    value=t.drop,
+                    value=t.drop_pp,
                     limit=limit,
                     op="<=",
-                    passed=_ok(t.drop, "<=", limit),
-                    note=note,
+                    passed=_ok(t.drop_pp, "<=", limit),
+                    note=t.describe(),
                 )  # fmt: skip
             )
     return Verdict(passed=all(c.passed for c in checks), checks=checks)

@@ -12,8 +12,9 @@ Top-level keys (all others are an error):
     kv_cache     {scheme: fp8_e4m3, strategy: tensor, dynamic: false} | null
     calibration  {source, num_samples, seq_len, batch_size, seed, all_experts,
                   min_expert_tokens}
-    evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit}
-    gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {score_drop_max}}}
+    evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit, task_batch_size,
+                  max_overlap}
+    gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {max_drop}}}
 
 Targets are matched exactly as llm-compressor / compressed-tensors match them (the plan
 uses the library's own matcher, so plan and engine cannot disagree): `re:<regex>` is
@@ -166,13 +167,34 @@ class EvaluationConfig(_Strict):
     sequences: int = Field(default=32, gt=0)
     seq_len: int = Field(default=512, gt=1)
     batch_size: int = Field(default=4, gt=0)
+    # benchmarks whose data qship fetches offline (pinned): hellaswag, arc_easy,
+    # arc_challenge, piqa, winogrande, lambada_openai, mmlu (or mmlu_<subject>)
     tasks: list[str] = Field(default_factory=list)
+    # any other lm-eval task, its data from the Hub (skipped with a reason when offline)
     hub_tasks: list[str] = Field(default_factory=list)
+    # the first N items of each task (per subject for mmlu); null = the whole split
     limit: int | None = Field(default=None, gt=0)
+    # lm-eval's batch size: its float32 log-softmax over the vocabulary is batch x length x
+    # vocab (Gemma: 262k) -- 16 long MMLU prompts need 20 GB; raise it on a GPU
+    task_batch_size: int = Field(default=4, gt=0)
+    # largest share of an evaluation set (held-out windows, a task's items) that may share
+    # a word 13-gram with the calibration text; above it the run refuses (exit 2)
+    max_overlap: float = Field(default=0.01, ge=0.0, le=1.0)
 
 
 class TaskGate(_Strict):
-    score_drop_max: float
+    # the largest accuracy drop allowed, percentage points (reference - candidate)
+    max_drop: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "score_drop_max" in data:
+            raise ValueError(
+                "score_drop_max is now max_drop, in percentage points (a 0.01 drop in "
+                "accuracy is max_drop: 1.0)"
+            )
+        return data
 
 
 class Gates(_Strict):
@@ -205,6 +227,13 @@ class Recipe(_Strict):
             if g.name in seen:
                 raise ValueError(f"two groups are named {g.name!r}; give each group its own name")
             seen.add(g.name)
+        evaluated = {*self.evaluation.tasks, *self.evaluation.hub_tasks}
+        for t in self.gates.tasks:
+            if t not in evaluated:
+                raise ValueError(
+                    f"gates.tasks.{t}: {t!r} is not evaluated; list it in evaluation.tasks "
+                    "(or evaluation.hub_tasks)"
+                )
         return self
 
     @property

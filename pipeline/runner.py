@@ -1,6 +1,6 @@
 """Stage order, the stage cache and the run record: `qship run` end to end.
 
-    recipe ─► fetch ─► tokens ─► quantize ─► evaluate ─► gate ─► package ─► (publish)
+    recipe ─► fetch ─► tokens ─► eval-data ─► quantize ─► evaluate ─► gate ─► package ─► (publish)
 
 `recipe` checks the recipe against the model's config alone (meta device) before anything
 is downloaded or loaded: an invalid recipe exits 2 in seconds. Each later stage takes the
@@ -32,7 +32,7 @@ from .io.cache import StageCache, stage_key
 from .model.devices import device_kind
 from .recipe import Recipe, load_recipe
 from .records.checkpoint import QuantizedCheckpoint
-from .records.evaluation import EvalFile, EvalReport, ModelRef
+from .records.evaluation import EvalFile, EvalReport, ModelRef, Overlap
 from .records.plan import Plan
 from .records.run import ErrorInfo, RunRecord, StageRow
 from .records.snapshot import Snapshot
@@ -42,6 +42,12 @@ QUANT_MODEL = "model"  # the checkpoint's folder inside a quantize cache entry
 # Recipe fields that change the quantized weights (gates and evaluation settings do not).
 _QUANT_FIELDS = ("dtype", "groups", "kv_cache", "calibration")
 REPORT_SUFFIX = ".report"
+
+
+@dataclass(frozen=True)
+class EvalData:
+    data_dir: Path | None  # the pinned benchmark data (None: no local tasks)
+    overlap: Overlap
 
 
 def report_dir_for(out: Path) -> Path:
@@ -124,6 +130,25 @@ def tokens_stage(snapshot: Snapshot, recipe: Recipe, ctx: Context) -> TokenSets:
     return sets
 
 
+def eval_data_stage(
+    snapshot: Snapshot, recipe: Recipe, tokens: TokenSets, ctx: Context
+) -> EvalData:
+    """Benchmark data fetched and verified, and every evaluation set checked for overlap with
+    the calibration text (exit 2 above evaluation.max_overlap) -- before any model work."""
+    from transformers import AutoTokenizer
+
+    from .data.benchmarks import prepare
+
+    with ctx.stage("eval-data") as line:
+        tok = AutoTokenizer.from_pretrained(snapshot.path)
+        data, ov = prepare(recipe.evaluation, tok, tokens, cache_dir=ctx.cache_dir,
+                           checksums_dir=ctx.checksums_dir, where=recipe.path)  # fmt: skip
+        worst = max(ov.sets.items(), key=lambda kv: kv[1].fraction)
+        line.note = (f"{len(ov.sets) - 1} benchmark(s); {ov.n}-gram overlap with calibration "
+                     f"at most {worst[1].fraction:.2%} ({worst[0]})")  # fmt: skip
+    return EvalData(data, ov)
+
+
 def quantize_key(snapshot: Snapshot, recipe: Recipe, tokens: TokenSets, device: str | None) -> str:
     resolved = recipe.resolved()
     return stage_key(
@@ -161,7 +186,7 @@ def quantize_stage(
 
 def evaluate_stage(
     snapshot: Snapshot, qc: QuantizedCheckpoint, qkey: str, recipe: Recipe,
-    tokens: TokenSets, ctx: Context,
+    tokens: TokenSets, evdata: EvalData, ctx: Context,
 ) -> EvalReport:  # fmt: skip
     from .evaluate import evaluate
 
@@ -182,8 +207,9 @@ def evaluate_stage(
             ModelRef(path=snapshot.path, model_hash=snapshot.model_hash),
             ModelRef(path=qc.path, model_hash=qc.model_hash),
             heldout_ids=tokens.heldout_ids, cache_dir=ctx.cache_dir, tasks=ev.tasks,
-            hub_tasks=ev.hub_tasks, limit=ev.limit, batch_size=ev.batch_size,
-            device=ctx.device, corpus_source=tokens.info.source,
+            hub_tasks=ev.hub_tasks, limit=ev.limit, data_dir=evdata.data_dir,
+            task_batch_size=ev.task_batch_size, overlap=evdata.overlap,
+            batch_size=ev.batch_size, device=ctx.device, corpus_source=tokens.info.source,
             corpus_hash=tokens.info.corpus_hash,
         ).to_json()  # fmt: skip
 
@@ -258,8 +284,9 @@ def _run(
     check_recipe(model, recipe, ctx)
     snap = fetch_stage(model, ctx, allow_pickle=allow_pickle)
     tokens = tokens_stage(snap, recipe, ctx)
+    evdata = eval_data_stage(snap, recipe, tokens, ctx)
     qc, qkey = quantize_stage(snap, recipe, tokens, ctx)
-    report = evaluate_stage(snap, qc, qkey, recipe, tokens, ctx)
+    report = evaluate_stage(snap, qc, qkey, recipe, tokens, evdata, ctx)
     verdict = gate_stage(report, recipe, ctx)
     write_report_dir(reports, EvalFile.of(report, verdict=verdict, quantize=qc.brief()), qc)
     rec = rec.model_copy(update={"passed": verdict.passed, "verdict": verdict})

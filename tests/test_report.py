@@ -26,12 +26,16 @@ from pipeline.compare.report import (
 from pipeline.compare.rows import row, row_from_file
 from pipeline.errors import UsageError
 from pipeline.evaluate.kl_stats import KL_HIST_EDGES, kl_histogram
+from pipeline.evaluate.paired import paired
 from pipeline.records import Check, EvalFile, Probe, Verdict
+from pipeline.records.evaluation import TaskResult
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
+REF = {str(i): float(i < 60) for i in range(100)}
 TASKS = {
-    "tiny_mc": {"status": "ok", "metric": "acc", "reference": {"value": 0.6},
-                "candidate": {"value": 0.5}, "drop": 0.1},
+    "arc_easy": TaskResult(status="ok", metric="acc_norm", split="validation", n_total=570,
+                           **paired(REF, {**REF, **{str(i): 0.0 for i in range(10)}},
+                                    where="arc_easy")).to_json(),
     "hub_task": {"status": "skipped", "reason": "offline"},
 }  # fmt: skip
 
@@ -39,7 +43,7 @@ TASKS = {
 def fake_eval(name: str, bits: float, scale: float, passed: bool, seed: int = 0) -> EvalFile:
     """An eval.json as compare writes it (records built from synthetic per-token KL)."""
     tasks = json.loads(json.dumps(TASKS))
-    tasks["tiny_mc"]["candidate"]["value"] += 0.01 * seed
+    tasks["arc_easy"]["drop_pp"] -= seed  # recipes differ in their drop
     probe = eval_file(name, bits, scale, None, seed=seed, tasks=tasks)
     check = Check(name="kl_mean_max", value=probe.metrics.kl.mean, limit=0.3, op="<=",
                   passed=passed)  # fmt: skip
@@ -100,7 +104,9 @@ def test_row_maps_eval_json(evals):
     assert r["top1"] == m.top1_agreement and r["ppl_ratio"] == m.ppl_ratio
     assert r["bits_per_weight"] == 4.125 and r["size_bytes"] == 412500
     assert r["quantize_s"] == 1.5 and r["peak_mem_bytes"] == 10**9
-    assert r["passed"] is True and r["tasks"] == {"tiny_mc": 0.5}
+    assert r["passed"] is True and r["tasks"] == {"arc_easy": pytest.approx(10.0)}
+    lo, hi = r["task_ci"]["arc_easy"]
+    assert lo < 10.0 < hi
     assert sum(r["kl_hist"]["counts"]) + r["kl_hist"]["zero"] == m.tokens
 
 
@@ -149,17 +155,17 @@ def test_report_files_md_csv_json(evals, tmp_path):
     for g, r in zip(got, rep["rows"], strict=True):
         assert float(g["kl_mean"]) == r["kl_mean"]  # repr round-trips exactly
         assert float(g["bits_per_weight"]) == r["bits_per_weight"]
-        assert float(g["task:tiny_mc"]) == r["tasks"]["tiny_mc"]
+        assert float(g["task:arc_easy"]) == r["tasks"]["arc_easy"]
 
 
 def test_html_self_contained_and_pngs_valid(evals, tmp_path):
     write_report([row(e) for e in evals], tmp_path)
-    for png in ("pareto.png", "kl_distribution.png"):
+    for png in ("pareto.png", "kl_distribution.png", "task_drop_vs_kl.png"):
         _check_png((tmp_path / png).read_bytes())
     text = (tmp_path / "compare.html").read_text()
     p = _Refs()
     p.feed(text)
-    assert len(p.imgs) == 2
+    assert len(p.imgs) == 3 and "accuracy drop vs mean KL" in text
     for tag, attr, v in p.refs:
         assert v.startswith("data:") or v.startswith("#"), (tag, attr, v[:80])
     assert "http://" not in text and "https://" not in text

@@ -34,7 +34,7 @@ def small_rtn(tmp_path_factory) -> Path:
     d["name"] = "rtn-w4-small"
     d["kv_cache"] = None
     d["calibration"].update(num_samples=8, seq_len=128, batch_size=8)
-    d["evaluation"].update(sequences=8, seq_len=128, hub_tasks=[])
+    d["evaluation"].update(sequences=8, seq_len=128, tasks=[], hub_tasks=[])
     d["gates"] = {"kl_mean_max": 10.0}
     p = tmp_path_factory.mktemp("recipes") / "rtn-w4-small.yaml"
     p.write_text(yaml.safe_dump(d, sort_keys=False))

@@ -18,7 +18,16 @@ pytestmark = pytest.mark.slow
 
 SMALL = {
     "calibration": {"num_samples": 8, "seq_len": 128, "batch_size": 8},
-    "evaluation": {"sequences": 4, "seq_len": 256, "batch_size": 2, "hub_tasks": []},
+    # two real benchmarks, ten items each: the path works end to end on a real model
+    "evaluation": {
+        "sequences": 4,
+        "seq_len": 256,
+        "batch_size": 2,
+        "tasks": ["arc_easy", "piqa"],
+        "hub_tasks": [],
+        "limit": 10,
+        "task_batch_size": 4,
+    },
     "gates": {"kl_mean_max": 1.0, "top1_min": 0.5},
 }
 
@@ -54,7 +63,7 @@ def test_qship_run_on_gemma_passes_and_verifies(gemma_run, capsys):
     rc, res, out = gemma_run
     assert rc == 0, res
     assert [s["stage"] for s in res["stages"]] == [
-        "recipe", "fetch", "tokens", "quantize", "evaluate", "gate", "package"
+        "recipe", "fetch", "tokens", "eval-data", "quantize", "evaluate", "gate", "package"
     ]  # fmt: skip
     assert res["passed"] is True and res["artifact"] == str(out)
     ev = json.loads((out / "eval.json").read_text())
@@ -63,6 +72,15 @@ def test_qship_run_on_gemma_passes_and_verifies(gemma_run, capsys):
     assert 0.02 < m["kl"]["mean"] < 1.0 and m["top1_agreement"] > 0.5
     assert ev["candidate"]["kv_hooked_attention_modules"] == 18
     assert 4.1 < ev["quantize"]["bits_per_weight"] < 4.2
+    b = ev["benchmarks"]["tasks"]
+    assert (b["arc_easy"]["n"], b["arc_easy"]["n_total"]) == (10, 570)
+    assert (b["piqa"]["n"], b["piqa"]["n_total"], b["piqa"]["metric"]) == (10, 1838, "acc_norm")
+    assert all(t["status"] == "ok" and t["ci95_pp"][0] <= t["drop_pp"] for t in b.values())
+    assert {k: s["overlapping"] for k, s in ev["overlap"]["sets"].items()} == {
+        "heldout": 0,
+        "arc_easy": 0,
+        "piqa": 0,
+    }
     rc, rep = qship(capsys, "verify", str(out), "--load")
     assert rc == 0 and rep["load"] == "matched"
     prov = json.loads((out / "provenance.json").read_text())

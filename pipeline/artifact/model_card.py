@@ -66,11 +66,8 @@ def _results(ev: EvalFile) -> list[str]:
     ]
     tasks = {n: t for n, t in sorted(ev.benchmarks.tasks.items()) if t.status == "ok"}
     if tasks:
-        lines += ["| task | metric | reference | quantized | drop |", "|---|---|---|---|---|"]
-        for n, t in tasks.items():
-            ref = t.reference.value if t.reference else None
-            cand = t.candidate.value if t.candidate else None
-            lines.append(f"| {n} | {t.metric} | {_fmt(ref)} | {_fmt(cand)} | {_fmt(t.drop)} |")
+        lines += ["| benchmark (lm-eval) | result |", "|---|---|"]
+        lines += [f"| {n} | {t.describe()} |" for n, t in tasks.items()]
         lines.append("")
     return lines
 

@@ -41,6 +41,7 @@ def evaluate_cmd(
     from transformers import AutoTokenizer
 
     from .. import gate
+    from ..data.benchmarks import prepare
     from ..data.tokens import build_token_sets
     from ..evaluate import DEFAULT_TOPK, evaluate, model_ref, write_outputs
     from ..recipe import load_recipe
@@ -54,10 +55,14 @@ def evaluate_cmd(
         tok = AutoTokenizer.from_pretrained(reference)
         ts = build_token_sets(tok, r.calibration, ev, cache_dir=root)
         line.note = ts.info.summary()
+    with log.stage("eval-data") as line:
+        data, ov = prepare(ev, tok, ts, cache_dir=root, checksums_dir=Path("checksums"),
+                           where=str(recipe))  # fmt: skip
     with log.stage("evaluate") as line:
         report = evaluate(
             model_ref(reference), model_ref(candidate), heldout_ids=ts.heldout_ids,
             cache_dir=root, tasks=ev.tasks, hub_tasks=ev.hub_tasks, limit=ev.limit,
+            data_dir=data, task_batch_size=ev.task_batch_size, overlap=ov,
             batch_size=ev.batch_size, exact=exact, topk=topk or DEFAULT_TOPK, device=device,
             dtype=dtype, corpus_source=ts.info.source, corpus_hash=ts.info.corpus_hash,
         )  # fmt: skip

@@ -199,12 +199,13 @@ def compare(
     snap = runner.fetch_stage(str(model), ctx)
     tokens = {r.name: runner.tokens_stage(snap, r, ctx) for r in loaded}
     _check_same_heldout({n: t.heldout_hash for n, t in tokens.items()})
+    evdata = {r.name: runner.eval_data_stage(snap, r, tokens[r.name], ctx) for r in loaded}
 
     files: list[Path] = []
     for path, r in zip(recipes, loaded, strict=True):
         ts = tokens[r.name]
         qc, qkey = runner.quantize_stage(snap, r, ts, ctx)
-        report = runner.evaluate_stage(snap, qc, qkey, r, ts, ctx)
+        report = runner.evaluate_stage(snap, qc, qkey, r, ts, evdata[r.name], ctx)
         verdict = runner.gate_stage(report, r, ctx)
         rdir = out / "recipes" / r.name
         ev = EvalFile.of(report, verdict=verdict, quantize=qc.brief(Path(path).as_posix()))

@@ -57,6 +57,7 @@ def render_html(report: dict, images: dict[str, bytes | None]) -> str:
     captions = {
         "pareto": "Bits per weight vs mean KL (the Pareto front dashed, front members circled)",
         "kl_distribution": "Per-token KL distribution of each recipe",
+        "task_drop_vs_kl": "Benchmark accuracy drop vs mean KL (paired 95 % intervals)",
     }
     for key, png in images.items():
         if not png:

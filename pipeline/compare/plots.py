@@ -1,5 +1,6 @@
-"""The comparison's figures: bits per weight vs mean KL (with the Pareto front), and the
-per-token KL distribution of each recipe. PNG bytes, deterministic (no timestamp)."""
+"""The comparison's figures: bits per weight vs mean KL (with the Pareto front), the
+per-token KL distribution of each recipe, and each benchmark's accuracy drop vs mean KL.
+PNG bytes, deterministic (no timestamp)."""
 
 from __future__ import annotations
 
@@ -185,4 +186,37 @@ def plot_kl_distribution(report: dict) -> bytes | None:
         fig.tight_layout()
     else:
         ax.legend(fontsize=8)
+    return _figure_png(fig)
+
+
+def plot_task_drops(report: dict) -> bytes | None:
+    """Accuracy drop (pp, paired 95 % interval) vs mean KL: one series per benchmark, one
+    point per recipe. Does the cheap KL rank recipes as the benchmarks do?"""
+    rows = [r for r in report["rows"] if r.get("tasks") and r.get("kl_mean") is not None]
+    tasks = sorted({t for r in rows for t in r["tasks"]})
+    if not tasks:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    for i, t in enumerate(tasks):
+        pts = [(r["kl_mean"], r["tasks"][t], (r.get("task_ci") or {}).get(t), r["name"])
+               for r in rows if r["tasks"].get(t) is not None]  # fmt: skip
+        pts.sort()
+        x = [p[0] for p in pts]
+        y = [p[1] for p in pts]
+        err = [[p[1] - p[2][0] if p[2] else 0.0 for p in pts],
+               [p[2][1] - p[1] if p[2] else 0.0 for p in pts]]  # fmt: skip
+        ax.errorbar(x, y, yerr=err, fmt="o-", ms=4, lw=1.0, capsize=3, label=t,
+                    alpha=0.85, color=f"C{i % 10}")  # fmt: skip
+    names = {r["name"]: r["kl_mean"] for r in rows}
+    for n, k in names.items():
+        ax.annotate(n, (k, ax.get_ylim()[1]), xytext=(0, -8), textcoords="offset points",
+                    rotation=90, fontsize=7, va="top", ha="center", color="0.4")  # fmt: skip
+    ax.axhline(0.0, color="0.5", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("mean KL(ref ‖ quant) on held-out tokens, nats (log scale)")
+    ax.set_ylabel("accuracy drop, percentage points (+ = worse)")
+    ax.set_title("Benchmark accuracy drop vs mean KL (bars: paired 95 % interval)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     return _figure_png(fig)

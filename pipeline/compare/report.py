@@ -22,7 +22,8 @@ Row schema (one per recipe; every figure may be None when the stage did not repo
     kl_mean kl_stderr kl_median kl_p90 kl_p99 kl_p999 kl_max    KL(ref||quant), nats/token
     top1             top-1 agreement with the reference
     ppl_reference ppl_candidate ppl_ratio
-    tasks            {task: score}          benchmark scores (lm-eval)
+    tasks            {task: drop}           benchmark accuracy drop vs the reference, pp
+    task_ci          {task: [lo, hi]}       its paired 95 % interval, pp
     kl_hist          {"edges": [...], "counts": [...], "zero": n} per-token KL histogram on
                      the fixed log bins KL_HIST_EDGES (None when no per-token values exist)
     source           where the row came from (eval.json path), informative only
@@ -133,7 +134,7 @@ def _task_names(rows: list[dict]) -> list[str]:
 
 def columns(rows: list[dict]) -> list[tuple[str, str, str, str | None]]:
     cols = [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
-    cols += [(f"task:{t}", t, "{:.4f}", "max") for t in _task_names(rows)]
+    cols += [(f"task:{t}", f"{t} drop pp", "{:+.2f}", "min") for t in _task_names(rows)]
     return cols
 
 

@@ -20,6 +20,7 @@ EVAL_FILE = "eval.json"
 
 def row(ev: EvalFile, *, name: str | None = None, recipe: str | None = None) -> dict[str, Any]:
     q, m = ev.quantize, ev.metrics
+    ok_tasks = {t: r for t, r in sorted(ev.benchmarks.tasks.items()) if r.status == "ok"}
     out: dict[str, Any] = {
         "name": name or (q.name if q else None) or "recipe",
         "recipe": recipe or (q.recipe if q else None),
@@ -38,11 +39,8 @@ def row(ev: EvalFile, *, name: str | None = None, recipe: str | None = None) -> 
         "ppl_reference": m.ppl_reference,
         "ppl_candidate": m.ppl_candidate,
         "ppl_ratio": m.ppl_ratio,
-        "tasks": {
-            t: r.candidate.value
-            for t, r in sorted(ev.benchmarks.tasks.items())
-            if r.status == "ok" and r.candidate is not None
-        },
+        "tasks": {t: r.drop_pp for t, r in ok_tasks.items()},
+        "task_ci": {t: list(r.ci95_pp) for t, r in ok_tasks.items() if r.ci95_pp},
         "kl_hist": m.kl_hist.to_json(),
         "source": None,
     }

@@ -1,53 +1,47 @@
-"""Benchmark scores through lm-eval, for reference and candidate, and the drop.
+"""Benchmark scores through lm-eval: both models on the same items, the drop paired.
 
-Each lm-eval run happens in a child process (`python -m pipeline.evaluate.benchmarks`) so that
-* a hub task whose data cannot be had fails fast or times out, and is reported as
-  "skipped: <reason>" instead of hanging the evaluation;
-* the model's memory is returned when the run ends (reference and candidate are never
-  loaded together);
-* the child can `chdir` into eval/tasks, against which the task YAMLs' relative
-  `data_files` paths resolve.
+Every lm-eval run is a child process (`python -m pipeline.evaluate.benchmarks SPEC`): the
+model's memory is returned when it ends (reference and candidate are never loaded
+together), a Hub task that cannot get its data fails or times out alone, and the child
+writes its own task folder (lm-eval's task definitions pointed at the local, pinned data:
+pipeline.data.benchmarks.task_dir).
 
-Local tasks (eval/tasks/*.yaml, built by eval/build_tasks.py) always run offline
-(HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1). Hub tasks run online only when a quick probe
-of the Hub answers; otherwise they are tried offline (succeeds when their data is in the
-local datasets cache) and reported skipped when that fails. Reference scores are cached
-per (reference hash, task files, limit) in the stage cache.
+lm-eval runs with `log_samples`, so each item's 0/1 result comes back. The drop is then a
+paired statistic: mean of (reference − candidate) per item, whose standard error is far
+smaller than that of two independent accuracies, because both models get mostly the same
+items right (paired.py). The reference's per-item results are cached per task in the stage
+cache (key: reference hash, task, limit, data, lm-eval version, dtype, device, batch size),
+so one reference pass serves every recipe and `qship compare`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..data import benchmarks as data
 from ..io.cache import StageCache, stage_key
-from ..io.hashing import hash_files, list_files
+from ..model.devices import device_kind
 from ..records.evaluation import Benchmarks, ModelRef, TaskResult
+from .paired import paired
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS_DIR = ROOT / "eval" / "tasks"
 HUB_PROBE_URL = "https://huggingface.co/api/datasets?limit=1"
-# primary metric per task and whether higher is better; others: acc if present
-PRIMARY: dict[str, tuple[str, bool]] = {
-    "qship_news_ppl": ("bits_per_byte", False),
-    "qship_lastword": ("acc", True),
-    "arc_easy": ("acc_norm", True),
-    "arc_challenge": ("acc_norm", True),
-    "hellaswag": ("acc_norm", True),
-    "lambada_openai": ("acc", True),
-    "piqa": ("acc_norm", True),
-    "winogrande": ("acc", True),
-    "wikitext": ("word_perplexity", False),
-}
-LOWER_IS_BETTER = ("perplexity", "bits_per_byte")
+STAGE = "reference-bench"
+# the per-item metric each task is judged by: lm-eval's (and the leaderboards') primary
+PRIMARY = {
+    "hellaswag": "acc_norm", "arc_easy": "acc_norm", "arc_challenge": "acc_norm",
+    "piqa": "acc_norm", "winogrande": "acc", "lambada_openai": "acc",
+}  # fmt: skip
+FALLBACK = ("acc_norm", "acc", "exact_match")  # other tasks: the first one they report
 
 
 def hub_reachable(timeout: float = 3.0) -> tuple[bool, str]:
@@ -60,38 +54,27 @@ def hub_reachable(timeout: float = 3.0) -> tuple[bool, str]:
         return False, f"Hub unreachable ({type(e).__name__}: {str(e)[:120]})"
 
 
-def tasks_hash(tasks_dir: Path = TASKS_DIR) -> str:
-    d = hash_files(tasks_dir, [r for r in list_files(tasks_dir) if not r.startswith(".")])
-    return stage_key("tasks", {r: v.sha256 for r, v in d.items()}, versions=False)
-
-
 def run_lm_eval(
     model_dir: Path,
     tasks: list[str],
     *,
-    tasks_dir: Path = TASKS_DIR,
-    limit: int | None = None,
-    device: str = "cpu",
-    dtype: str | None = None,
-    batch_size: int = 1,
+    data_dir: Path | None,
+    limit: int | None,
+    device: str,
+    dtype: str,
+    batch_size: int,
     offline: bool = True,
     timeout_s: float | None = None,
-) -> dict[str, dict]:
-    """Run lm-eval on `tasks` in a child process; {task: {status, metrics|reason, ...}}."""
+) -> tuple[dict[str, dict], float]:
+    """lm-eval on `tasks` (lm-eval task names) in a child process;
+    {task: {status, metric, items: {doc_id: 0/1}, split, n_total} | {status, reason}}, and
+    the child's wall time (all its tasks: lm-eval pools their requests)."""
     if not tasks:
-        return {}
+        return {}, 0.0
     with tempfile.TemporaryDirectory(prefix="qship-lmeval-") as tmp:
-        out = Path(tmp) / "result.json"
-        spec = {
-            "model_dir": str(Path(model_dir).resolve()),
-            "tasks": tasks,
-            "tasks_dir": str(Path(tasks_dir).resolve()),
-            "limit": limit,
-            "device": device,
-            "dtype": dtype or "auto",
-            "batch_size": batch_size,
-            "out": str(out),
-        }
+        spec = {"model_dir": str(Path(model_dir).resolve()), "tasks": tasks,
+                "data_dir": str(data_dir) if data_dir else None, "limit": limit,
+                "device": device, "dtype": dtype, "batch_size": batch_size, "work": tmp}  # fmt: skip
         env = dict(os.environ)
         if offline:
             env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
@@ -100,78 +83,116 @@ def run_lm_eval(
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "pipeline.evaluate.benchmarks", json.dumps(spec)],
-                env=env,
-                cwd=str(Path(tasks_dir).resolve()),
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-            )
+                env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s,
+            )  # fmt: skip
         except subprocess.TimeoutExpired:
-            return {
-                t: {"status": "skipped", "reason": f"timed out after {timeout_s:.0f} s"}
-                for t in tasks
-            }
-        secs = round(time.perf_counter() - t0, 2)
+            return {t: {"status": "skipped", "reason": f"timed out after {timeout_s:.0f} s"}
+                    for t in tasks}, float(timeout_s or 0)  # fmt: skip
+        out = Path(tmp) / "result.json"
         if proc.returncode != 0 or not out.is_file():
-            tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
-            reason = tail[-1][:300] if tail else f"lm-eval exited {proc.returncode}"
-            return {t: {"status": "skipped", "reason": reason} for t in tasks}
-        res = json.loads(out.read_text())
-    for r in res.values():
-        r["seconds"] = secs
-    return res
+            reason = _failure(proc.returncode, proc.stderr or "")
+            return {t: {"status": "skipped", "reason": reason} for t in tasks}, 0.0
+        res: dict[str, dict] = json.loads(out.read_text())
+    return res, round(time.perf_counter() - t0, 2)
+
+
+def _failure(rc: int, stderr: str) -> str:
+    """Why the child failed: its last line that is not a progress bar, or the signal."""
+    if rc < 0:
+        return (f"lm-eval was killed by signal {-rc}" + (" (out of memory? lower "
+                "evaluation.task_batch_size)" if -rc == 9 else ""))  # fmt: skip
+    lines = [ln for ln in stderr.splitlines() if ln.strip() and "it/s]" not in ln
+             and "s/it]" not in ln and "%|" not in ln]  # fmt: skip
+    return lines[-1][:300] if lines else f"lm-eval exited {rc}"
+
+
+def _primary(task: str, sample: dict) -> str | None:
+    want = "acc" if task.startswith("mmlu_") else PRIMARY.get(task)
+    for m in (want, *FALLBACK) if want else FALLBACK:
+        if isinstance(sample.get(m), int | float | bool):
+            return m
+    return None
 
 
 def _worker(spec: dict) -> None:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    tm = TaskManager(include_path=spec["tasks_dir"])
-    known = set(tm.all_tasks)
+    work = Path(spec["work"])
+    include = None
+    if spec["data_dir"]:
+        local = [t for t in spec["tasks"] if t in data.LOCAL_TASKS]
+        include = str(data.task_dir(local, Path(spec["data_dir"]), work / "tasks"))
+    tm = TaskManager(include_path=include)
+    r = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={spec['model_dir']},dtype={spec['dtype']}",
+        tasks=spec["tasks"], task_manager=tm, limit=spec["limit"], device=spec["device"],
+        batch_size=spec["batch_size"], log_samples=True, bootstrap_iters=0,
+    )  # fmt: skip
     out: dict[str, Any] = {}
-    todo = [t for t in spec["tasks"] if t in known]
     for t in spec["tasks"]:
-        if t not in known:
-            out[t] = {"status": "skipped", "reason": f"unknown lm-eval task {t!r}"}
-    if todo:
-        args = f"pretrained={spec['model_dir']},dtype={spec['dtype']}"
-        r = lm_eval.simple_evaluate(
-            model="hf",
-            model_args=args,
-            tasks=todo,
-            task_manager=tm,
-            limit=spec["limit"],
-            device=spec["device"],
-            batch_size=spec["batch_size"],
-            log_samples=False,
-            bootstrap_iters=1000,
-        )
-        for t in todo:
-            raw = r["results"].get(t, {})
-            metrics = {}
-            for k, v in raw.items():
-                if "," not in k or "_stderr," in k or k == "alias":
-                    continue
-                name = k.split(",", 1)[0]
-                se = raw.get(k.replace(",", "_stderr,", 1))
-                metrics[name] = {
-                    "value": float(v),
-                    "stderr": float(se)
-                    if isinstance(se, int | float) and math.isfinite(se)
-                    else None,
-                }
-            n = (r.get("n-samples") or {}).get(t, {})
-            out[t] = {"status": "ok", "metrics": metrics, "n": n.get("effective")}
-    Path(spec["out"]).write_text(json.dumps(out, indent=2))
+        samples = r["samples"].get(t) or []
+        metric = _primary(t, samples[0]) if samples else None
+        if metric is None:
+            out[t] = {"status": "skipped", "reason": "no per-item accuracy from lm-eval "
+                      "(qship pairs acc / acc_norm / exact_match)"}  # fmt: skip
+            continue
+        cfg = r["configs"].get(t, {})
+        out[t] = {
+            "status": "ok", "metric": metric,
+            "items": {str(s["doc_id"]): float(s[metric]) for s in samples},
+            "split": cfg.get("test_split") or cfg.get("validation_split"),
+            "n_total": (r.get("n-samples") or {}).get(t, {}).get("original"),
+        }  # fmt: skip
+    (work / "result.json").write_text(json.dumps(out))
 
 
-def _primary(task: str, metrics: dict) -> tuple[str, bool]:
-    if task in PRIMARY and PRIMARY[task][0] in metrics:
-        return PRIMARY[task]
-    for name in ("acc_norm", "acc", "exact_match", *metrics):
-        if name in metrics:
-            return name, not any(s in name for s in LOWER_IS_BETTER)
-    raise KeyError(task)
+def _pool(name: str, parts: dict[str, dict]) -> dict:
+    """A group (mmlu) as one task: its subtasks' items pooled (lm-eval's size-weighted mean)."""
+    bad = [r for r in parts.values() if r.get("status") != "ok"]
+    if bad:
+        return {"status": "skipped", "reason": bad[0].get("reason", "not run")}
+    first = next(iter(parts.values()))
+    return {
+        "status": "ok", "metric": first["metric"], "split": first["split"],
+        "items": {f"{t}/{k}": v for t, r in parts.items() for k, v in r["items"].items()},
+        "n_total": sum(r["n_total"] or 0 for r in parts.values()) or None,
+    }  # fmt: skip
+
+
+def _run_named(
+    model_dir: Path, local: list[str], hub: list[str], *, online: bool, why: str,
+    hub_timeout_s: float, **kw: Any,
+) -> tuple[dict[str, dict], float]:  # fmt: skip
+    """Results by the names the recipe used (a group pooled), and the seconds. Local tasks:
+    one offline child; each Hub task its own child: one missing dataset skips only itself."""
+    raw, secs = run_lm_eval(model_dir, data.expand(local), **kw)
+    res = {n: _pool(n, {t: raw[t] for t in data.expand([n])}) if n in data.GROUPS else raw[n]
+           for n in local}  # fmt: skip
+    for t in hub:
+        got, s = run_lm_eval(model_dir, [t], **{**kw, "data_dir": None}, offline=not online,
+                             timeout_s=hub_timeout_s)  # fmt: skip
+        if got[t]["status"] != "ok" and not online:
+            got[t]["reason"] = f"{why}; not in the local datasets cache: {got[t]['reason']}"
+        res[t], secs = got[t], secs + s
+    return res, secs
+
+
+def reference_key(
+    model_hash: str, task: str, *, hub: bool, limit: int | None, dtype: str, device: str,
+    batch_size: int,
+) -> str:  # fmt: skip
+    """The stage-cache key of one task's per-item reference results."""
+    return stage_key(STAGE, {
+        "model_hash": model_hash, "task": task, "limit": limit,
+        "data": "hub" if hub else f"{data.PACKAGE}=={data.VERSION}",
+        "dtype": dtype, "device": device_kind(device), "batch_size": batch_size,
+    })  # fmt: skip
+
+
+def _const(record: dict) -> Callable[[Path], dict]:
+    return lambda _tmp: record
 
 
 def compare(
@@ -180,87 +201,58 @@ def compare(
     *,
     tasks: list[str],
     hub_tasks: list[str],
+    data_dir: Path | None,
     limit: int | None,
     cache_dir: Path,
-    device: str = "cpu",
+    device: str,
     dtype: str | None = None,
-    tasks_dir: Path = TASKS_DIR,
+    batch_size: int = 4,
     hub_timeout_s: float = 1800.0,
 ) -> Benchmarks:
-    """Scores of both models on every task, with drop = how much worse the candidate is."""
+    """Both models on every task, item by item; the reference from the cache when it can."""
     online, why = hub_reachable() if hub_tasks else (False, "")
-
-    def run(model_dir: Path, hub: list[str]) -> dict[str, dict]:
-        res = run_lm_eval(
-            model_dir, tasks, tasks_dir=tasks_dir, limit=limit, device=device, dtype=dtype
-        )
-        for ht in hub:  # one child each: one unavailable dataset skips only its task
-            got = run_lm_eval(
-                model_dir,
-                [ht],
-                tasks_dir=tasks_dir,
-                limit=limit,
-                device=device,
-                dtype=dtype,
-                offline=not online,
-                timeout_s=hub_timeout_s,
-            )
-            for r in got.values():
-                if r["status"] != "ok" and not online:
-                    r["reason"] = f"{why}; not in the local datasets cache: {r['reason']}"
-            res.update(got)
-        return res
-
-    key = stage_key(
-        "reference-bench",
-        {
-            "model_hash": reference.model_hash,
-            "tasks": tasks,
-            "hub_tasks": hub_tasks,
-            "limit": limit,
-            "tasks_files": tasks_hash(tasks_dir),
-            "dtype": dtype or "auto",
-            "device": device,
-        },
-    )
+    # float32 on the CPU as everywhere in evaluate (bf16 matmuls there are slow and lossy)
+    dt = dtype or ("float32" if device_kind(device) == "cpu" else "auto")
+    kw: dict[str, Any] = dict(data_dir=data_dir, limit=limit, device=device, dtype=dt,
+                              batch_size=batch_size)  # fmt: skip
     cache = StageCache(Path(cache_dir))
-    hit = cache.lookup("reference-bench", key)
-    if hit and all(r.get("status") == "ok" for r in hit.record["results"].values()):
-        ref_res, ref_hit = hit.record["results"], True
-    else:
-        ref_res, ref_hit = run(reference.path, hub_tasks), False
-        if all(r.get("status") == "ok" for r in ref_res.values()):
-            cache.get_or_build("reference-bench", key, lambda tmp: {"results": ref_res}, force=True)
-    # a hub task whose data the reference run could not get is not retried for the candidate
-    cand_res = run(
-        candidate_dir, [t for t in hub_tasks if ref_res.get(t, {}).get("status") == "ok"]
-    )
-    out: dict[str, TaskResult] = {}
-    for t in [*tasks, *hub_tasks]:
-        r, c = ref_res.get(t, {}), cand_res.get(t, {})
-        if r.get("status") != "ok" or c.get("status") != "ok":
-            reason = r.get("reason") if r.get("status") != "ok" else c.get("reason")
-            out[t] = TaskResult(status="skipped", reason=reason or "not run", hub=t in hub_tasks)
+
+    def key(name: str) -> str:
+        return reference_key(reference.model_hash, name, hub=name in hub_tasks, limit=limit,
+                             dtype=dt, device=device, batch_size=batch_size)  # fmt: skip
+
+    ref: dict[str, dict] = {}
+    for name in [*tasks, *hub_tasks]:
+        hit = cache.lookup(STAGE, key(name))
+        if hit is not None:
+            ref[name] = {**hit.record, "cached": True}
+    todo_local = [t for t in tasks if t not in ref]
+    todo_hub = [t for t in hub_tasks if t not in ref]
+    got, ref_s = _run_named(reference.path, todo_local, todo_hub, online=online, why=why,
+                            hub_timeout_s=hub_timeout_s, **kw)  # fmt: skip
+    for name, r in got.items():
+        ref[name] = r
+        if r["status"] == "ok":
+            cache.get_or_build(STAGE, key(name), _const(r), force=True)
+    ok = [n for n in [*tasks, *hub_tasks] if ref[n]["status"] == "ok"]
+    cand, cand_s = _run_named(candidate_dir, [t for t in tasks if t in ok],
+                      [t for t in hub_tasks if t in ok], online=online, why=why,
+                      hub_timeout_s=hub_timeout_s, **kw)  # fmt: skip
+    out = {}
+    for name in [*tasks, *hub_tasks]:
+        r, c = ref[name], cand.get(name, {"status": "skipped", "reason": "reference did not run"})
+        source = "hub" if name in hub_tasks else f"{data.PACKAGE}=={data.VERSION}"
+        if r["status"] != "ok" or c["status"] != "ok":
+            reason = r.get("reason") if r["status"] != "ok" else c.get("reason")
+            out[name] = TaskResult(status="skipped", reason=reason or "not run", data=source)
             continue
-        metric, higher = _primary(t, r["metrics"])
-        rv, cv = r["metrics"][metric], c["metrics"][metric]
-        drop = (rv["value"] - cv["value"]) if higher else (cv["value"] - rv["value"])
-        ses = [x for x in (rv.get("stderr"), cv.get("stderr")) if x is not None]
-        out[t] = TaskResult.model_validate(
-            {
-                "status": "ok",
-                "hub": t in hub_tasks,
-                "metric": metric,
-                "higher_is_better": higher,
-                "reference": rv,
-                "candidate": cv,
-                "drop": drop,
-                "drop_stderr": math.sqrt(sum(x * x for x in ses)) if len(ses) == 2 else None,
-                "n": c.get("n"),
-                "all_metrics": {"reference": r["metrics"], "candidate": c["metrics"]},
-            }
-        )
-    return Benchmarks(tasks=out, limit=limit, reference_cached=ref_hit, hub_online=online)
+        stats = paired(r["items"], c["items"], where=name)
+        out[name] = TaskResult(
+            status="ok", data=source, split=r["split"], metric=r["metric"],
+            n_total=r["n_total"], reference_cached=bool(r.get("cached")), **stats,
+        )  # fmt: skip
+    return Benchmarks(tasks=out, limit=limit, hub_online=online,
+                      seconds={"reference": ref_s, "candidate": cand_s})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from ..records.evaluation import (
     KVShare,
     Metrics,
     ModelRef,
+    Overlap,
 )
 from . import kl_stats, reference_cache
 from .scoring import (
@@ -64,6 +65,9 @@ def evaluate(
     tasks: list[str] | tuple[str, ...] = (),
     hub_tasks: list[str] | tuple[str, ...] = (),
     limit: int | None = None,
+    data_dir: Path | None = None,
+    task_batch_size: int = 4,
+    overlap: Overlap | None = None,
     batch_size: int = 4,
     exact: bool = False,
     device: str | None = None,
@@ -136,7 +140,8 @@ def evaluate(
         t0 = time.perf_counter()
         benchmarks = bm.compare(
             reference, candidate.path, tasks=list(tasks), hub_tasks=list(hub_tasks),
-            limit=limit, cache_dir=cache_dir, device=device, dtype=dtype,
+            data_dir=data_dir, limit=limit, cache_dir=cache_dir, device=device, dtype=dtype,
+            batch_size=task_batch_size,
         )  # fmt: skip
         timings["benchmarks_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_all
@@ -178,6 +183,7 @@ def evaluate(
         kv_cache_share=_kv_share(metrics, metrics_off),
         reference_cache=ref_entry.info() if ref_entry else None,
         benchmarks=benchmarks,
+        overlap=overlap,
         timings={k: round(v, 3) for k, v in timings.items()},
     )
 

@@ -71,22 +71,36 @@ def render_markdown(ev: EvalFile) -> str:
     if s.kl_approximation:
         lines += ["", f"KL approximation: {s.kl_approximation}."]
     if ev.benchmarks.tasks:
+        b = ev.benchmarks
         lines += [
             "",
-            "## Benchmarks (lm-eval)",
+            "## Benchmarks (lm-eval, both models on the same items)",
             "",
-            "| task | metric | reference | candidate | drop (+ = worse) | status |",
-            "|---|---|---|---|---|---|",
+            f"Items per task: {'all' if b.limit is None else f'the first {b.limit}'}"
+            f"{' (per subject for mmlu)' if b.limit and 'mmlu' in b.tasks else ''}. Drop = "
+            "reference − candidate in percentage points; its interval is paired (per-item "
+            "differences). lost / gained: items only the reference / only the candidate got right.",
+            "",
+            "| task | items | metric | reference | candidate | drop pp [95 % CI] | noise | "
+            "lost / gained |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for name, t in sorted(ev.benchmarks.tasks.items()):
+        for name, t in sorted(b.tasks.items()):
             if t.status != "ok" or t.reference is None or t.candidate is None:
-                lines.append(f"| {name} | – | – | – | – | {t.status}: {t.reason or ''} |")
+                lines.append(f"| {name} | – | – | – | – | – | {t.describe()} | – |")
                 continue
+            lo, hi = t.ci95_pp or (float("nan"), float("nan"))
             lines.append(
-                f"| {name} | {t.metric} | {_f(t.reference.value)} ± {_f(t.reference.stderr)} | "
-                f"{_f(t.candidate.value)} ± {_f(t.candidate.stderr)} | "
-                f"{_f(t.drop)} ± {_f(t.drop_stderr)} | ok |"
+                f"| {name} | {t.n} of {t.n_total} ({t.split}) | {t.metric} | "
+                f"{100 * t.reference.value:.1f} % | {100 * t.candidate.value:.1f} % | "
+                f"{t.drop_pp:+.2f} [{lo:+.2f}, {hi:+.2f}] | "
+                f"{'within' if t.within_noise else 'BEYOND'} | {t.lost} / {t.gained} |"
             )
+    if ev.overlap:
+        o = ev.overlap
+        worst = ", ".join(f"{k} {s.overlapping}/{s.items}" for k, s in o.sets.items())
+        lines += ["", f"Overlap with the calibration text ({o.n}-gram, limit "
+                  f"{o.max_fraction:.1%}): {worst}."]  # fmt: skip
     if ev.verdict:
         v = ev.verdict
         lines += [

@@ -11,6 +11,7 @@ of SentencePiece GGUFs (Gemma) is rebuilt from the GGUF's vocabulary and scores
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -21,8 +22,9 @@ from .. import log
 from ..errors import UsageError
 from ..io.cache import stage_key
 from ..io.hashing import Manifest, hash_files, list_files
+from ..io.pins import verify_against_pin
 from ..records.snapshot import Snapshot
-from .snapshot import SNAPSHOT_DIR, STAGE, finish, from_cache, verify_against_pin
+from .snapshot import SNAPSHOT_DIR, STAGE, finish, from_cache
 from .sources import Source
 
 DTYPE = "bfloat16"
@@ -143,6 +145,19 @@ def _cached(
     return path
 
 
+# how the tokenizer was loaded, not what it is: transformers 5 writes them into
+# tokenizer_config.json, and local_files_only follows HF_HUB_OFFLINE -- the same GGUF would
+# give a folder whose bytes depend on the environment, failing its pin elsewhere
+_LOAD_FLAGS = ("is_local", "local_files_only")
+
+
+def _drop_load_flags(path: Path) -> None:
+    cfg = json.loads(path.read_text())
+    kept = {k: v for k, v in cfg.items() if k not in _LOAD_FLAGS}
+    if kept != cfg:
+        path.write_text(json.dumps(kept, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
 def dequantize(path: Path, out: Path) -> str | None:
     """GGUF -> model.safetensors (bf16) + config + generation config + tokenizer in `out`.
 
@@ -183,5 +198,6 @@ def dequantize(path: Path, out: Path) -> str | None:
         gguf_tokenizer.save_tokenizer(reader, out)
     else:  # byte-level BPE GGUFs (Llama 3, SmolLM ...) convert correctly in transformers
         AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+        _drop_load_flags(out / "tokenizer_config.json")
     lic = reader.fields.get("general.license")
     return lic.contents() if lic is not None else None

@@ -21,19 +21,15 @@ from typing import Any
 
 from .. import log
 from ..errors import IntegrityError
-from ..io.atomic import atomic_write_text
 from ..io.cache import StageCache
 from ..io.hashing import (
     FileDigest,
-    Manifest,
-    compare_digests,
     copy_hash_file,
-    hash_files,
-    list_files,
 )
+from ..io.pins import check_cached, fail_if, verify_against_pin
 from ..io.safetensors_header import read_header
 from ..model.files import model_hash
-from ..records.snapshot import PinStatus, Snapshot
+from ..records.snapshot import Snapshot
 
 STAGE = "fetch"
 SNAPSHOT_DIR = "model"  # inside the cache entry
@@ -86,41 +82,6 @@ def check_consistency(snap_dir: Path, files: dict[str, FileDigest]) -> list[str]
     return problems
 
 
-def fail_if(problems: list[str], *, where: str, what: str, hint: str) -> None:
-    if problems:
-        raise IntegrityError(
-            f"{what}: {len(problems)} problem(s):\n    " + "\n    ".join(problems),
-            path=where,
-            hint=hint,
-        )
-
-
-def verify_against_pin(
-    files: dict[str, FileDigest],
-    manifest_path: Path,
-    *,
-    pin: bool,
-    source: str,
-    repo_id: str | None,
-    revision: str | None,
-) -> tuple[PinStatus, str | None]:
-    """-> (pin_status, manifest path or None). Any mismatch with an existing pin: exit 3."""
-    if manifest_path.is_file():
-        expected = Manifest.load(manifest_path).files
-        fail_if(
-            compare_digests(expected, files, where=str(manifest_path)),
-            where=str(manifest_path),
-            what=f"{source} does not match its pinned manifest",
-            hint="the download or the folder was altered (or the upstream changed): "
-            "re-fetch from a trusted source; only re-pin after checking why it changed",
-        )
-        return "pinned", str(manifest_path)
-    if pin:
-        atomic_write_text(manifest_path, Manifest(source, repo_id, revision, dict(files)).dumps())
-        return "pinned-now", str(manifest_path)
-    return "unpinned", None
-
-
 def finish(
     out: Path,
     files: dict[str, FileDigest],
@@ -166,13 +127,5 @@ def from_cache(cache_dir: Path, key: str, build: Callable[[Path], dict]) -> Snap
     rec = Snapshot.from_json(entry.record["snapshot"], where=str(entry.path), error=IntegrityError)
     snap = rec.model_copy(update={"path": entry.path / rec.path, "cache_hit": entry.hit})
     if entry.hit:
-        actual = hash_files(snap.path, list_files(snap.path))
-        problems = compare_digests(snap.files, actual, where=str(entry.path / "stage.json"))
-        if problems:
-            raise IntegrityError(
-                "cached snapshot was altered after it was verified:\n    "
-                + "\n    ".join(problems),
-                path=str(entry.path),
-                hint=f"delete {entry.path} and fetch again",
-            )
+        check_cached(snap.path, dict(snap.files), where=str(entry.path))
     return snap

