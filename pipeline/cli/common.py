@@ -15,6 +15,14 @@ CacheOpt = Annotated[
     Path | None,
     typer.Option("--cache-dir", help="Stage cache (default $QSHIP_CACHE or ~/.cache/qship)."),
 ]
+RequirePinOpt = Annotated[
+    bool,
+    typer.Option(
+        "--require-pin",
+        help="Exit 3 before any compute when no manifest in checksums/ pins the model "
+        "(by name or by content), like pip's --require-hashes.",
+    ),
+]
 DeviceOpt = Annotated[
     str | None, typer.Option("--device", help="cuda / cpu (default: the GPU when there is one).")
 ]

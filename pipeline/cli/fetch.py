@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..records.snapshot import Snapshot
-from .common import CacheOpt, JsonOpt, cache_root
+from .common import CacheOpt, JsonOpt, RequirePinOpt, cache_root
 
 
 def fetch_cmd(
@@ -24,6 +24,7 @@ def fetch_cmd(
     checksums: Annotated[Path, typer.Option("--checksums", help="Pinned manifests folder.")] = Path(
         "checksums"
     ),
+    require_pin: RequirePinOpt = False,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> Snapshot:
@@ -31,4 +32,4 @@ def fetch_cmd(
     from ..fetch import fetch
 
     return fetch(source, cache_dir=cache_root(cache_dir), checksums_dir=checksums,
-                 allow_pickle=allow_pickle, pin=pin)  # fmt: skip
+                 allow_pickle=allow_pickle, pin=pin, require_pin=require_pin)  # fmt: skip

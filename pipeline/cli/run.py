@@ -9,7 +9,7 @@ import typer
 
 from .. import log
 from ..records.run import RunRecord
-from .common import CacheOpt, DeviceOpt, JsonOpt, cache_root
+from .common import CacheOpt, DeviceOpt, JsonOpt, RequirePinOpt, cache_root
 
 
 def run_cmd(
@@ -29,6 +29,7 @@ def run_cmd(
     allow_pickle: Annotated[
         bool, typer.Option("--allow-pickle", help="Accept .bin/.pt weights.")
     ] = False,
+    require_pin: RequirePinOpt = False,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> RunRecord:
@@ -41,4 +42,5 @@ def run_cmd(
     log.info(f"qship run {model} → {out}  (library output: {logfile})", style="bold")
     with log.third_party_to(logfile, verbose=STATE.verbose):
         return run(model, recipe, out, cache_dir=cache_root(cache_dir), publish_to=publish_to,
-                   sign_key=sign_key, device=device, allow_pickle=allow_pickle)  # fmt: skip
+                   sign_key=sign_key, device=device, allow_pickle=allow_pickle,
+                   require_pin=require_pin)  # fmt: skip

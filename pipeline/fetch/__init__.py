@@ -34,23 +34,50 @@ def fetch(
     checksums_dir: Path = Path("checksums"),
     allow_pickle: bool = False,
     pin: bool = False,
+    require_pin: bool = False,
 ) -> Snapshot:
-    """Fetch, verify and cache a model; see the module docstring. IntegrityError = exit 3."""
+    """Fetch, verify and cache a model; see the module docstring. IntegrityError = exit 3;
+    with `require_pin` an input that no manifest pins (by name or content) is exit 3 too,
+    raised before the download (Hub) or the dequantization (GGUF)."""
+    if pin and require_pin:
+        raise UsageError(
+            "--pin and --require-pin contradict each other",
+            path="--require-pin",
+            hint="pin once with --pin (after review), then run with --require-pin",
+        )
     src = parse_source(source)
     checksums_dir, cache_dir = Path(checksums_dir), Path(cache_dir)
     if src.kind == "hf":
         from .hub import fetch_hub
 
-        return fetch_hub(src, cache_dir=cache_dir, checksums_dir=checksums_dir,
-                         allow_pickle=allow_pickle, pin=pin)  # fmt: skip
-    if src.kind == "dir":
+        snap = fetch_hub(src, cache_dir=cache_dir, checksums_dir=checksums_dir,
+                         allow_pickle=allow_pickle, pin=pin, require_pin=require_pin)  # fmt: skip
+    elif src.kind == "dir":
         from .local import fetch_dir
 
-        return fetch_dir(src, cache_dir=cache_dir, checksums_dir=checksums_dir,
-                         allow_pickle=allow_pickle, pin=pin)  # fmt: skip
-    from .gguf import fetch_gguf
+        snap = fetch_dir(src, cache_dir=cache_dir, checksums_dir=checksums_dir,
+                         allow_pickle=allow_pickle, pin=pin, require_pin=require_pin)  # fmt: skip
+    else:
+        from .gguf import fetch_gguf
 
-    return fetch_gguf(src, cache_dir=cache_dir, checksums_dir=checksums_dir, pin=pin)
+        snap = fetch_gguf(src, cache_dir=cache_dir, checksums_dir=checksums_dir, pin=pin,
+                          require_pin=require_pin)  # fmt: skip
+    return _pin_by_content(snap, checksums_dir, require_pin)
+
+
+def _pin_by_content(snap: Snapshot, checksums_dir: Path, require_pin: bool) -> Snapshot:
+    """A cache entry recorded as unpinned may have been pinned since (or match a pin by
+    content); it is looked up again, and refused under --require-pin."""
+    if snap.pin_status != "unpinned":
+        return snap
+    from ..io.pins import find_by_content, unpinned_error
+
+    found = find_by_content(checksums_dir, dict(snap.files))
+    if found is not None:
+        return snap.model_copy(update={"pin_status": "pinned", "manifest": str(found)})
+    if require_pin:
+        raise unpinned_error(snap.source, checksums_dir / "<none>.json")
+    return snap
 
 
 def read_config(source: str | Path, *, cache_dir: Path) -> Any:

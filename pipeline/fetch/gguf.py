@@ -22,7 +22,7 @@ from .. import log
 from ..errors import UsageError
 from ..io.cache import stage_key
 from ..io.hashing import Manifest, hash_files, list_files
-from ..io.pins import verify_against_pin
+from ..io.pins import unpinned_error, verify_against_pin
 from ..records.snapshot import Snapshot
 from .snapshot import SNAPSHOT_DIR, STAGE, finish, from_cache
 from .sources import Source
@@ -40,40 +40,52 @@ def gguf_path(src: Source, cache_dir: Path) -> tuple[Path, str, str]:
     return src.path, f"gguf/{src.path.stem}", "local"
 
 
-def fetch_gguf(src: Source, *, cache_dir: Path, checksums_dir: Path, pin: bool) -> Snapshot:
+def fetch_gguf(
+    src: Source, *, cache_dir: Path, checksums_dir: Path, pin: bool, require_pin: bool = False
+) -> Snapshot:
     path, repo_id, revision = gguf_path(src, cache_dir)
     size = path.stat().st_size
     with log.Progress(f"hash {path.name}", size, nbytes=True) as bar:
         digest = hash_files(path.parent, [path.name], on_bytes=bar.advance)
     gguf_manifest = checksums_dir / Manifest.filename(repo_id, revision)
-    gguf_status, _ = verify_against_pin(
-        digest, gguf_manifest, pin=pin, source=src.text, repo_id=repo_id, revision=revision
-    )
+    gguf_status, found = verify_against_pin(
+        digest, gguf_manifest, pin=pin, source=src.text, repo_id=repo_id, revision=revision,
+        require_pin=require_pin,
+    )  # fmt: skip
+    name = path.name
+    if found is not None and Path(found) != gguf_manifest:
+        # pinned by content (a local copy of a pinned GGUF): it takes the pin's identity, and
+        # the file name its pin records, so that the dequantized bytes match their pin too
+        pinned = Manifest.load(Path(found))
+        repo_id, revision = pinned.repo_id or repo_id, pinned.revision or revision
+        name = next(iter(pinned.files))
     dq_revision = f"{revision}+dequant-{DTYPE}"
     manifest_path = checksums_dir / Manifest.filename(repo_id, dq_revision)
+    if require_pin and not manifest_path.is_file():
+        raise unpinned_error(f"{src.text} (dequantized to {DTYPE})", manifest_path)
     key = stage_key(
         STAGE,
         {"kind": "gguf", "gguf": digest[path.name].sha256, "dtype": DTYPE, "converter": CONVERTER,
-         "manifest": manifest_path.is_file()},
+         "manifest": manifest_path.is_file(), **({"name": name} if name != path.name else {})},
     )  # fmt: skip
 
     def build(tmp: Path) -> dict:
         out = tmp / SNAPSHOT_DIR
         out.mkdir()
         log.detail(f"dequantizing {path.name} to {DTYPE}")
-        license_ = dequantize(path, out)
+        license_ = dequantize(path, out, name=name)
         files = hash_files(out, list_files(out))
         checks = {
             "gguf": {
                 "status": f"{path.name} {gguf_status}",
                 "file": path.name,
                 **digest[path.name].to_json(),
-                "manifest": str(gguf_manifest) if gguf_status != "unpinned" else None,
+                "manifest": found,
             },
         }
         return finish(out, files, source=src.text, repo_id=repo_id, revision=dq_revision,
                       manifest_path=manifest_path, pin=pin, checks=checks, key=key,
-                      license=license_)  # fmt: skip
+                      license=license_, require_pin=require_pin)  # fmt: skip
 
     return from_cache(cache_dir, key, build)
 
@@ -158,7 +170,7 @@ def _drop_load_flags(path: Path) -> None:
         path.write_text(json.dumps(kept, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def dequantize(path: Path, out: Path) -> str | None:
+def dequantize(path: Path, out: Path, *, name: str | None = None) -> str | None:
     """GGUF -> model.safetensors (bf16) + config + generation config + tokenizer in `out`.
 
     `save_pretrained` refuses a GGUF-loaded model (FINDINGS.md), so the state dict is
@@ -178,7 +190,8 @@ def dequantize(path: Path, out: Path) -> str | None:
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     cfg.dtype = DTYPE
-    cfg._name_or_path = path.name  # not the folder it sits in: the bytes must not depend on it
+    # the file's name (as pinned), not the folder it sits in: the bytes must not depend on it
+    cfg._name_or_path = name or path.name
     cfg.architectures = [type(model).__name__]
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     tensors = {

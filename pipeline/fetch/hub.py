@@ -17,6 +17,7 @@ from .. import log
 from ..errors import IntegrityError, UsageError
 from ..io.cache import stage_key
 from ..io.hashing import FileDigest, Manifest
+from ..io.pins import unpinned_error
 from ..model.files import PICKLE_SUFFIXES, is_model_file
 from ..records.snapshot import Snapshot
 from .snapshot import SNAPSHOT_DIR, STAGE, copy_and_hash, finish, from_cache
@@ -32,6 +33,7 @@ def fetch_hub(
     checksums_dir: Path,
     allow_pickle: bool,
     pin: bool,
+    require_pin: bool = False,
 ) -> Snapshot:
     from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -62,6 +64,8 @@ def fetch_hub(
                 if s.rfilename in rels and s.lfs is not None
             }
             _check_revision_move(checksums_dir, repo, rev, commit, pin)
+            if require_pin and not (checksums_dir / Manifest.filename(repo, commit)).is_file():
+                raise unpinned_error(src.text, checksums_dir / Manifest.filename(repo, commit))
             local = None
             with log.Progress(f"download {repo}@{commit[:12]}", len(rels), unit="files") as bar:
                 for i, name in enumerate(rels, 1):
@@ -77,6 +81,8 @@ def fetch_hub(
         raise IntegrityError(
             f"{rev} did not resolve to a commit SHA (got {commit!r})", path=src.text
         )
+    if require_pin and not (checksums_dir / Manifest.filename(repo, commit)).is_file():
+        raise unpinned_error(src.text, checksums_dir / Manifest.filename(repo, commit))
     if local is None:
         raise IntegrityError(
             f"{repo}@{commit} has no model files (config, weights, tokenizer)",
@@ -118,7 +124,8 @@ def fetch_hub(
             "requested_revision": rev,
         }
         return finish(out, files, source=f"hf://{repo}@{commit}", repo_id=repo, revision=commit,
-                      manifest_path=manifest_path, pin=pin, checks=checks, key=key)  # fmt: skip
+                      manifest_path=manifest_path, pin=pin, checks=checks, key=key,
+                      require_pin=require_pin)  # fmt: skip
 
     return from_cache(cache_dir, key, build)
 

@@ -17,7 +17,13 @@ from .sources import Source, hf_cache_layout
 
 
 def fetch_dir(
-    src: Source, *, cache_dir: Path, checksums_dir: Path, allow_pickle: bool, pin: bool
+    src: Source,
+    *,
+    cache_dir: Path,
+    checksums_dir: Path,
+    allow_pickle: bool,
+    pin: bool,
+    require_pin: bool = False,
 ) -> Snapshot:
     assert src.path is not None
     root = src.path
@@ -45,7 +51,8 @@ def fetch_dir(
         out = tmp / SNAPSHOT_DIR
         files = copy_and_hash(root, rels, out, label=f"copy {root.name}")
         return finish(out, files, source=src.text, repo_id=repo_id, revision=revision,
-                      manifest_path=manifest_path, pin=pin, checks={}, key=key)  # fmt: skip
+                      manifest_path=manifest_path, pin=pin, checks={}, key=key,
+                      require_pin=require_pin)  # fmt: skip
 
     return from_cache(cache_dir, key, build)
 

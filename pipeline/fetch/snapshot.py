@@ -94,6 +94,7 @@ def finish(
     checks: dict[str, Any],
     key: str,
     license: str | None = None,
+    require_pin: bool = False,
 ) -> dict:
     """Every check on a built snapshot; returns the cache record (its path relative)."""
     fail_if(
@@ -103,8 +104,9 @@ def finish(
         hint="re-fetch it; a truncated or partial copy must not be used",
     )
     status, mpath = verify_against_pin(
-        files, manifest_path, pin=pin, source=source, repo_id=repo_id, revision=revision
-    )
+        files, manifest_path, pin=pin, source=source, repo_id=repo_id, revision=revision,
+        require_pin=require_pin,
+    )  # fmt: skip
     snap = Snapshot(
         path=Path(SNAPSHOT_DIR),
         source=source,

@@ -3,6 +3,11 @@
 `verify_against_pin` compares what was fetched with its pin (any difference: exit 3,
 naming each file) or writes a missing pin when asked; `check_cached` re-hashes a cache
 entry before it is reused, so a file altered after it was verified is never read.
+
+Pins are found by name (`<org>--<name>@<revision>.json`) and, failing that, by content
+(`find_by_content`): the pinned Gemma GGUF copied to `./model.gguf` is still the pinned
+file. `require_pin` makes an input that matches no pin fatal (exit 3), the way pip's
+`--require-hashes` does.
 """
 
 from __future__ import annotations
@@ -26,6 +31,29 @@ def fail_if(problems: list[str], *, where: str, what: str, hint: str) -> None:
         )
 
 
+def find_by_content(checksums_dir: Path, files: dict[str, FileDigest]) -> Path | None:
+    """The manifest in `checksums_dir` pinning exactly these bytes: the same files under
+    the same names, or -- for a single file (a GGUF) -- the same bytes under any name."""
+    want = sorted(files.values(), key=lambda d: (d.sha256, d.size))
+    for path in sorted(Path(checksums_dir).glob("*.json")):
+        pinned = Manifest.load(path).files
+        if pinned == files or (
+            len(files) == 1 and sorted(pinned.values(), key=lambda d: (d.sha256, d.size)) == want
+        ):
+            return path
+    return None
+
+
+def unpinned_error(source: str, manifest_path: Path) -> IntegrityError:
+    return IntegrityError(
+        f"{source} is not pinned: no manifest {manifest_path.name} and none in "
+        f"{manifest_path.parent} with the same content (--require-pin)",
+        path=source,
+        hint="review the input, then pin it with `qship fetch SOURCE --pin` and commit "
+        f"{manifest_path}; or drop --require-pin",
+    )
+
+
 def verify_against_pin(
     files: dict[str, FileDigest],
     manifest_path: Path,
@@ -34,8 +62,14 @@ def verify_against_pin(
     source: str,
     repo_id: str | None,
     revision: str | None,
+    require_pin: bool = False,
 ) -> tuple[PinStatus, str | None]:
-    """-> (pin_status, manifest path or None). Any mismatch with an existing pin: exit 3."""
+    """-> (pin_status, manifest path or None). Any mismatch with an existing pin: exit 3;
+    no pin by name or content with `require_pin`: exit 3."""
+    if not manifest_path.is_file():
+        found = find_by_content(manifest_path.parent, files)
+        if found is not None:
+            return "pinned", str(found)
     if manifest_path.is_file():
         expected = Manifest.load(manifest_path).files
         fail_if(
@@ -49,6 +83,8 @@ def verify_against_pin(
     if pin:
         atomic_write_text(manifest_path, Manifest(source, repo_id, revision, dict(files)).dumps())
         return "pinned-now", str(manifest_path)
+    if require_pin:
+        raise unpinned_error(source, manifest_path)
     return "unpinned", None
 
 
