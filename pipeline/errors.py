@@ -3,6 +3,8 @@
     0 success · 1 unexpected error · 2 usage error or invalid recipe/config
     3 integrity failure (checksum, signature, unsafe or malformed file)
     4 quality gate failed
+    5 transient failure (network unreachable, timeout, HTTP 429/5xx after retries, a lock
+      held too long): the same command may succeed later -- CI jobs retry on it
 
 Messages name the file, the field or module, expected vs actual, and the fix.
 """
@@ -75,3 +77,9 @@ class GateFailed(QshipError):
     """The quality gate rejected the candidate."""
 
     exit_code = 4
+
+
+class TransientError(QshipError):
+    """The network or the host failed in a way that may pass: retrying later can succeed."""
+
+    exit_code = 5

@@ -14,7 +14,10 @@ Unknown repos / revisions / files answer 404 with the Hub's X-Error-Code header.
 
 `HubServer.add_commit(repo, files, branch="main")` stores a commit and moves the branch;
 `corrupt(sha256)` makes the CDN serve that object with one byte flipped while every
-header and the API still advertise the true sha256 and size.
+header and the API still advertise the true sha256 and size. `fault(prefix, kind, times)`
+makes the next `times` requests whose path starts with `prefix` fail the way networks do:
+`status` (e.g. 503, or 429 with Retry-After), `stall` (answer after `seconds`), `truncate`
+(full Content-Length, half the body, then the connection closes).
 """
 
 from __future__ import annotations
@@ -59,6 +62,16 @@ class HubFile:
 
 
 @dataclass
+class Fault:
+    prefix: str
+    kind: str  # "status" | "stall" | "truncate"
+    times: int
+    status: int = 503
+    retry_after: int | None = None
+    seconds: float = 0.0
+
+
+@dataclass
 class HubRepo:
     refs: dict[str, str] = field(default_factory=dict)  # branch -> commit
     commits: dict[str, dict[str, HubFile]] = field(default_factory=dict)
@@ -68,6 +81,7 @@ class HubServer:
     def __init__(self) -> None:
         self.repos: dict[str, HubRepo] = {}
         self.corrupted: set[str] = set()
+        self.faults: list[Fault] = []
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -125,6 +139,18 @@ class HubServer:
         with self.lock:
             self.repos[repo_id].refs[branch] = commit
 
+    def fault(self, prefix: str, kind: str, times: int = 1, **kw) -> None:
+        with self.lock:
+            self.faults.append(Fault(prefix, kind, times, **kw))
+
+    def take_fault(self, path: str) -> Fault | None:
+        with self.lock:
+            for f in self.faults:
+                if f.times > 0 and path.startswith(f.prefix):
+                    f.times -= 1
+                    return f
+        return None
+
     def corrupt(self, sha256: str) -> None:
         with self.lock:
             self.corrupted.add(sha256)
@@ -176,6 +202,12 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in hdrs.items():
             self.send_header(k, v)
         self.end_headers()
+        if not head and body and getattr(self, "truncate", False):
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(2)  # socket.SHUT_RDWR: the client sees a short body
+            return
         if not head and body:
             self.wfile.write(body)
 
@@ -201,6 +233,15 @@ class _Handler(BaseHTTPRequestHandler):
         with self.hub.lock:
             self.hub.requests.append((self.command, path))
         parts = [p for p in path.split("/") if p]
+        fault = self.hub.take_fault(path)
+        if fault is not None and fault.kind == "status":
+            hdrs = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
+            return self._send(fault.status, b"injected", hdrs, head=head)
+        if fault is not None and fault.kind == "stall":
+            import time
+
+            time.sleep(fault.seconds)
+        self.truncate = fault is not None and fault.kind == "truncate"
         try:
             if parts[:2] == ["api", "models"] and len(parts) >= 4:
                 return self._api(parts[2:], query, head=head)

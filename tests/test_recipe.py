@@ -276,3 +276,13 @@ def test_best_4bit_recipe_plans_within_its_budget_on_gemma(gemma_snapshot):
         if m.scheme.bits == 4
     )
     assert len(q) == 18 * 7
+
+
+def test_cli_usage_errors_exit_2(capsys):
+    """typer's own (vendored click) exceptions map to the contract's exit 2, not 1."""
+    from tests.cli_run import qship
+
+    rc, err = qship(capsys, "plan", "--model", "x")
+    assert rc == 2 and err["error"] == "MissingParameter" and "--recipe" in err["message"]
+    rc, err = qship(capsys, "run", "--no-such-option")
+    assert rc == 2, err

@@ -96,7 +96,11 @@ def _fail(data: dict[str, Any], text: str, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and map exceptions to the documented exit codes."""
     import click
+    import typer
 
+    # typer >= 0.25 raises its own vendored click's exceptions (TyperException), not click's
+    usage_errors = (click.exceptions.ClickException, click.exceptions.Abort,
+                    typer.exceptions.TyperException, typer.Abort)  # fmt: skip
     args = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in args
     verbose = bool({"-v", "--verbose"} & set(args[: next(
@@ -108,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 result = app(args=args, standalone_mode=False)
             except Exception as e:
-                if not isinstance(e, QshipError | click.exceptions.ClickException):
+                if not isinstance(
+                    e, (QshipError, click.exceptions.Exit, typer.Exit, *usage_errors)
+                ):
                     traceback.print_exc()  # into the log (the terminal with -v)
                 raise
         emit(result if not isinstance(result, int) else None, as_json)
@@ -119,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             data["result"] = e.result.to_json()
         _fail(data, str(e), as_json)
         return e.exit_code
-    except click.exceptions.Exit as e:
+    except (click.exceptions.Exit, typer.Exit) as e:
         return int(e.exit_code or 0)
-    except (click.exceptions.ClickException, click.exceptions.Abort) as e:
-        msg = e.format_message() if isinstance(e, click.exceptions.ClickException) else "aborted"
+    except usage_errors as e:
+        fmt = getattr(e, "format_message", None)
+        msg = fmt() if callable(fmt) else "aborted"
         _fail({"error": type(e).__name__, "exit_code": 2, "message": msg}, msg, as_json)
         return 2
     except Exception as e:  # noqa: BLE001 - the contract maps anything else to 1

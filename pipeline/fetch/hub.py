@@ -10,6 +10,7 @@ pinned fails closed: someone must review the new revision and pin it.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ..io.hashing import FileDigest, Manifest
 from ..io.pins import unpinned_error
 from ..model.files import PICKLE_SUFFIXES, is_model_file
 from ..records.snapshot import Snapshot
+from .network import HF_DOWNLOAD_RETRIES, api_timeout, retrying
 from .snapshot import SNAPSHOT_DIR, STAGE, copy_and_hash, finish, from_cache
 from .sources import Source
 
@@ -53,9 +55,13 @@ def fetch_hub(
                 src,
             )
         else:
-            info = HfApi(endpoint=constants.ENDPOINT).model_info(
-                repo, revision=rev, files_metadata=True
-            )
+            info = retrying(
+                lambda: HfApi(endpoint=constants.ENDPOINT).model_info(
+                    repo, revision=rev, files_metadata=True, timeout=api_timeout()
+                ),
+                what=f"file list of {repo}@{rev}", host=f"Hub API {constants.ENDPOINT}",
+                path=src.text,
+            )  # fmt: skip
             commit = info.sha
             rels = _select([s.rfilename for s in info.siblings or []], allow_pickle, src)
             lfs = {
@@ -69,7 +75,14 @@ def fetch_hub(
             local = None
             with log.Progress(f"download {repo}@{commit[:12]}", len(rels), unit="files") as bar:
                 for i, name in enumerate(rels, 1):
-                    local = Path(hf_hub_download(repo, name, revision=commit)).parent
+                    local = Path(
+                        retrying(
+                            functools.partial(hf_hub_download, repo, name, revision=commit),
+                            what=f"download of {name}", path=f"hf://{repo}@{commit}/{name}",
+                            host=f"Hub file server behind {constants.ENDPOINT}",
+                            library_retries=HF_DOWNLOAD_RETRIES,
+                        )
+                    ).parent  # fmt: skip
                     bar.update(i, name)
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
         raise UsageError(
@@ -167,13 +180,18 @@ def _check_revision_move(
 
 def hub_config(src: Source):
     """config.json at the source's revision only (no weights): for the recipe check."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     from transformers import AutoConfig
 
-    assert src.repo_id is not None
+    repo = src.repo_id
+    assert repo is not None
     try:
-        path = hf_hub_download(src.repo_id, "config.json", revision=src.revision)
+        path = retrying(
+            lambda: hf_hub_download(repo, "config.json", revision=src.revision),
+            what=f"config.json of {repo}@{src.revision}", path=src.text,
+            host=f"Hub {constants.ENDPOINT}", library_retries=HF_DOWNLOAD_RETRIES,
+        )  # fmt: skip
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
         raise UsageError(
             f"cannot get config.json of {src.repo_id}@{src.revision} from the Hub "
