@@ -4,7 +4,7 @@
     3 integrity failure (checksum, signature, unsafe or malformed file)
     4 quality gate failed
     5 transient failure (network unreachable, timeout, HTTP 429/5xx after retries, a lock
-      held too long): the same command may succeed later -- CI jobs retry on it
+      held too long, the disk full): the same command may succeed later -- CI jobs retry on it
 
 Messages name the file, the field or module, expected vs actual, and the fix.
 """
@@ -83,3 +83,8 @@ class TransientError(QshipError):
     """The network or the host failed in a way that may pass: retrying later can succeed."""
 
     exit_code = 5
+
+
+class DiskFull(TransientError):
+    """No space (or quota, or file-size limit) left while writing a result; what was being
+    written is removed, so the same command can pass once space is freed."""

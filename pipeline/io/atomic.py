@@ -3,11 +3,45 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from ..errors import DiskFull
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _rust_io_errno(text: str) -> int | None:
+    """safetensors (Rust) reports an I/O error as text: "... (os error 28)"."""
+    m = re.search(r"\(os error (\d+)\)", text)
+    return int(m.group(1)) if m else None
+
+
+def no_space(err: BaseException, target: Path) -> DiskFull | None:
+    """A DiskFull naming `target` when `err` (or what caused it: libraries re-wrap OSError)
+    is a full disk, an exhausted quota or a file-size limit; else None."""
+    if isinstance(err, DiskFull):
+        return None  # already named by the innermost write
+    e: BaseException | None = err
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        code = e.errno if isinstance(e, OSError) else _rust_io_errno(str(e))
+        if code in _NO_SPACE:
+            return DiskFull(
+                f"no space left while writing {target} ({os.strerror(code)}); nothing "
+                "half-written was kept",
+                path=str(target),
+                hint="free space on that file system (or raise the quota), or point --out / "
+                "$QSHIP_CACHE at a larger one, then run the same command again",
+            )
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def fsync_dir(path: Path) -> None:
@@ -40,9 +74,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if full := no_space(e, path):
+            raise full from e
         raise
     fsync_dir(path.parent)
 
@@ -74,8 +110,10 @@ def atomic_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
         else:
             os.rename(tmp, target)
         fsync_dir(target.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if full := no_space(e, target):
+            raise full from e
         raise
 
 
