@@ -2,8 +2,9 @@
 
 Every configured limit becomes one Check. A value that is missing or not finite fails its
 check (fail closed), and so does a task gate whose task did not run (e.g. a hub task
-skipped offline): a configured gate never passes silently. `require_pass` turns a failed
-verdict into GateFailed (exit 4).
+skipped offline): a configured gate never passes silently. The served check (recipe
+`serve:`) adds its three checks when it ran; when its engine is absent it is reported as
+not run and adds none. `require_pass` turns a failed verdict into GateFailed (exit 4).
 """
 
 from __future__ import annotations
@@ -71,7 +72,28 @@ def check(report: EvalReport, gates: Gates) -> Verdict:
                     note=t.describe(),
                 )  # fmt: skip
             )
+    if report.served is not None:
+        checks += served_checks(report)
     return Verdict(passed=all(c.passed for c in checks), checks=checks)
+
+
+def served_checks(report: EvalReport) -> list[Check]:
+    s = report.served
+    assert s is not None
+    lim = s.thresholds
+    rows: list[tuple[str, float, Op, float | None]] = [
+        ("serve.max_kl", s.served_vs_measured.kl_mean, "<=", lim.get("max_kl")),
+        ("serve.min_top1", s.served_vs_measured.top1, ">=", lim.get("min_top1")),
+        ("serve.max_kl_increase", s.served_kl_increase, "<=", lim.get("max_kl_increase")),
+    ]
+    note = f"{s.engine}, kv {s.kv_cache_dtype}"
+    return [
+        Check(
+            name=n, value=v, limit=float(limit), op=op, passed=_ok(v, op, float(limit)), note=note
+        )
+        for n, v, op, limit in rows
+        if limit is not None
+    ]
 
 
 def require_pass(verdict: Verdict, *, where: str, result: Any = None) -> None:

@@ -180,6 +180,30 @@ class EvaluationConfig(_Strict):
     # largest share of an evaluation set (held-out windows, a task's items) that may share
     # a word 13-gram with the calibration text; above it the run refuses (exit 2)
     max_overlap: float = Field(default=0.01, ge=0.0, le=1.0)
+    # the attention arithmetic the KL is measured with when the checkpoint has an FP8 KV
+    # cache: "vllm" = as vLLM serves it on CUDA (K, V *and the query* rounded to FP8; the
+    # query with scale 1.0), "kv-only" = K and V only (compressed-tensors' hooks alone)
+    attention: Literal["vllm", "kv-only"] = "vllm"
+    # per position, the top-k log-probs of both models stored for the served check
+    # (qship/measured.safetensors in the artifact); 0 = store none
+    measured_topk: int = Field(default=32, ge=0, le=1024)
+
+
+class ServeGate(_Strict):
+    """The served-artifact check run by `qship run` when the engine is there (else it is
+    reported as not run) and by `qship verify --serve`: exit 4 beyond these."""
+
+    engine: Literal["vllm", "transformers"] = "vllm"
+    # vLLM's kv_cache_dtype: "auto" serves FP8 when the checkpoint has a kv_cache_scheme
+    kv_cache_dtype: Literal["auto", "fp8", "bfloat16"] = "auto"
+    # KL(measured || served), nats, mean over positions. Two bf16 engines differ by this
+    # much on their own: Gemma 3 270M served by vLLM vs measured in transformers, 0.0113
+    # with a 16-bit KV cache, 0.0118 with FP8 (H200, bench/RESULTS.md); a tiny Llama 0.0012
+    max_kl: float = Field(default=0.03, gt=0)
+    # top-1 agreement of served and measured (Gemma 3 270M: 0.926, tiny Llama: 0.963)
+    min_top1: float = Field(default=0.90, ge=0, le=1)
+    # KL(ref || served) / KL(ref || measured) - 1: how much worse served is than claimed
+    max_kl_increase: float = Field(default=0.05, ge=0)
 
 
 class TaskGate(_Strict):
@@ -214,6 +238,7 @@ class Recipe(_Strict):
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     gates: Gates = Field(default_factory=Gates)
+    serve: ServeGate | None = None
     # a Linear module that no group claims: error (exit 2, naming it), or keep it 16-bit
     others: Literal["error", "keep"] = "error"
 

@@ -39,6 +39,7 @@ from .records.snapshot import Snapshot
 from .records.verdict import Verdict
 
 QUANT_MODEL = "model"  # the checkpoint's folder inside a quantize cache entry
+MEASURED = "measured.safetensors"  # the served check's measured log-probs, in an evaluate entry
 # Recipe fields that change the quantized weights (gates and evaluation settings do not).
 _QUANT_FIELDS = ("dtype", "groups", "kv_cache", "calibration")
 REPORT_SUFFIX = ".report"
@@ -203,22 +204,56 @@ def evaluate_stage(
         },
     )
 
-    def build(_tmp: Path) -> dict[str, Any]:
-        return evaluate(
+    def build(tmp: Path) -> dict[str, Any]:
+        rep = evaluate(
             ModelRef(path=snapshot.path, model_hash=snapshot.model_hash),
             ModelRef(path=qc.path, model_hash=qc.model_hash),
             heldout_ids=tokens.heldout_ids, cache_dir=ctx.cache_dir, tasks=ev.tasks,
             hub_tasks=ev.hub_tasks, limit=ev.limit, data_dir=evdata.data_dir,
             task_batch_size=ev.task_batch_size, overlap=evdata.overlap,
             batch_size=ev.batch_size, device=ctx.device, corpus_source=tokens.info.source,
-            corpus_hash=tokens.info.corpus_hash,
-        ).to_json()  # fmt: skip
+            corpus_hash=tokens.info.corpus_hash, attention=ev.attention,
+            measured_path=tmp / MEASURED, measured_topk=ev.measured_topk,
+        )  # fmt: skip
+        if rep.measured is not None:  # relative in the entry; the entry moves when complete
+            rep = rep.model_copy(
+                update={"measured": rep.measured.model_copy(update={"file": MEASURED})}
+            )
+        return rep.to_json()
 
     with ctx.stage("evaluate", key) as line:
         entry = ctx.cache.get_or_build("evaluate", key, build)
         report = EvalReport.from_json(entry.record, where=str(entry.path), error=StageError)
+        if report.measured is not None:
+            m = report.measured.model_copy(update={"file": str(entry.path / report.measured.file)})
+            report = report.model_copy(update={"measured": m})
         line.note, line.cached = report.summary(), entry.hit
     return report
+
+
+def serve_stage(
+    qc: QuantizedCheckpoint, report: EvalReport, recipe: Recipe, ctx: Context
+) -> EvalReport:
+    """The recipe's served check on the quantized checkpoint, when its engine is here."""
+    from .evaluate.engines import unavailable
+    from .evaluate.served import run_check
+
+    sg = recipe.serve
+    if sg is None:
+        return report
+    with ctx.stage("serve") as line:
+        reason = unavailable(sg.engine) or (
+            None if report.measured else "no measured log-probs (evaluation.measured_topk: 0)"
+        )
+        if reason is not None:
+            line.note = f"not run: {reason}"
+            return report.model_copy(update={"served_skipped": reason})
+        assert report.measured is not None
+        chk = run_check(qc.path, Path(report.measured.file), engine=sg.engine,
+                        kv_cache_dtype=sg.kv_cache_dtype, device=ctx.device, max_kl=sg.max_kl,
+                        min_top1=sg.min_top1, max_kl_increase=sg.max_kl_increase)  # fmt: skip
+        line.note = chk.summary().splitlines()[0]
+    return report.model_copy(update={"served": chk})
 
 
 def gate_stage(report: EvalReport, recipe: Recipe, ctx: Context) -> Verdict:
@@ -290,6 +325,7 @@ def _run(
     evdata = eval_data_stage(snap, recipe, tokens, ctx)
     qc, qkey = quantize_stage(snap, recipe, tokens, ctx)
     report = evaluate_stage(snap, qc, qkey, recipe, tokens, evdata, ctx)
+    report = serve_stage(qc, report, recipe, ctx)
     verdict = gate_stage(report, recipe, ctx)
     write_report_dir(reports, EvalFile.of(report, verdict=verdict, quantize=qc.brief()), qc)
     rec = rec.model_copy(update={"passed": verdict.passed, "verdict": verdict})

@@ -103,7 +103,9 @@ def test_model_card(packaged_artifact, package_inputs):
     assert f"| kl_mean_max | {kl.mean:.6g} | <= 5 | yes |" in text
     assert f"| KL(reference ‖ quantized), mean ± stderr | {kl.mean:.6g} ± {kl.stderr:.6g} |" in text
     assert "PASSED" in text
-    assert 'kv_cache_dtype="fp8"' in text and "AutoModelForCausalLM.from_pretrained" in text
+    assert "AutoModelForCausalLM.from_pretrained" in text
+    # how vLLM will serve it (this checkpoint has no FP8 KV scheme: a 16-bit KV cache)
+    assert 'kv_cache_dtype="auto"' in text and "16-bit KV cache" in text
 
 
 def test_deterministic(package_inputs, tmp_path, monkeypatch):

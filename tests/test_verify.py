@@ -438,7 +438,7 @@ def test_mixed_checkpoint_verifies_and_is_checked_strictly(mixed_artifact, tmp_p
     rep = verify(mixed_artifact, load=True)
     assert rep.load == "matched"
     text = (mixed_artifact / "README.md").read_text()
-    assert "fp8-kv-cache" in text and 'kv_cache_dtype="fp8"' in text
+    assert "fp8-kv-cache" in text and 'kv_cache_dtype="auto"' in text and "query to FP8" in text
 
     def swap(c):
         g = c["quantization_config"]["config_groups"]

@@ -121,20 +121,8 @@ def render(
         'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")',
         "```",
         "",
-        "vLLM with the FP8 KV cache"
-        + (
-            " (its static per-tensor scales are stored in this checkpoint):"
-            if kv
-            else " (this checkpoint stores no KV scales, so vLLM uses scale 1.0):"
-        ),
-        "",
-        "```python",
-        "from vllm import LLM, SamplingParams",
-        "",
-        'llm = LLM(model="PATH_OR_REPO", kv_cache_dtype="fp8")',
-        'print(llm.generate(["Hello"], SamplingParams(max_tokens=32))[0].outputs[0].text)',
-        "```",
-        "",
+        *(_vllm_use(kv is not None)),
+        *_served(evaluation),
         "## Integrity",
         "",
         "Every file is listed in `SHA256SUMS` (`sha256sum -c SHA256SUMS`); `qship verify .` "
@@ -151,3 +139,41 @@ def render(
         "",
     ]
     return "\n".join(lines)
+
+
+def _vllm_use(fp8_kv: bool) -> list[str]:
+    """How vLLM serves this checkpoint: `kv_cache_dtype="auto"` takes the checkpoint's
+    kv_cache_scheme, i.e. FP8 with the stored scales (and the query rounded to FP8 with
+    scale 1.0 on CUDA, which the evaluation above simulates)."""
+    if fp8_kv:
+        say = ("vLLM serves it with the FP8 KV cache and the stored per-tensor K/V scales: "
+               '`kv_cache_dtype="auto"` (the default) takes the checkpoint\'s kv_cache_scheme; '
+               '`kv_cache_dtype="bfloat16"` serves a 16-bit KV cache instead (not what was '
+               "measured). On CUDA vLLM also rounds the query to FP8 (scale 1.0); the KL above "
+               "is measured with that rounding.")  # fmt: skip
+    else:
+        say = ('vLLM serves it with a 16-bit KV cache: keep `kv_cache_dtype="auto"` (or '
+               '"bfloat16"); this checkpoint stores no KV scales.')  # fmt: skip
+    return [say, "", "```python", "from vllm import LLM, SamplingParams", "",
+            'llm = LLM(model="PATH_OR_REPO")  # kv_cache_dtype="auto"',
+            'print(llm.generate(["Hello"], SamplingParams(max_tokens=32))[0].outputs[0].text)',
+            "```", ""]  # fmt: skip
+
+
+def _served(ev: EvalFile) -> list[str]:
+    s = ev.served
+    if s is None:
+        if ev.served_skipped:
+            return [f"Served check: not run ({ev.served_skipped}).", ""]
+        return []
+    rows = [("served vs measured", s.served_vs_measured),
+            ("served vs reference", s.served_vs_reference),
+            ("measured vs reference", s.measured_vs_reference)]  # fmt: skip
+    out = [f"## Served check: {'PASSED' if s.passed else 'FAILED'} ({s.engine}, "
+           f"kv_cache_dtype={s.kv_cache_dtype})", "",
+           "| compared | KL mean | KL p99 | top-1 |", "|---|---|---|---|"]  # fmt: skip
+    out += [f"| {n} | {f.kl_mean:.4g} | {f.kl_p99:.4g} | {f.top1:.4f} |" for n, f in rows]
+    out += ["", f"Served KL to the reference: {s.served_kl_increase:+.1%} vs the measured "
+            f"(top-{ev.measured.topk if ev.measured else '?'} + tail, {s.positions} positions).",
+            ""]  # fmt: skip
+    return out

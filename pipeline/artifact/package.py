@@ -10,6 +10,9 @@ folder that the next run removes):
     eval.json        EvalFile: the evaluation, the verdict, the quantize figures, the probe
     provenance.json  Provenance: source, hashes, calibration, versions, qship commit, timings
     README.md        the model card (model_card.py)
+    qship/measured.safetensors  the held-out ids and measured top-k log-probs that
+                     `qship verify --serve` compares a serving engine with (when evaluated
+                     with evaluation.measured_topk > 0)
     SHA256SUMS       coreutils format over every file above
     model.sig        optional OpenSSF model-signing signature over all of the above
 
@@ -44,6 +47,8 @@ from .verify import SUMS, check_records, check_sums, check_weights
 from .weights import DEFAULT_SHARD_SIZE, source_weights, write_weights
 
 COPIED = (*CONFIG_FILES, *TOKENIZER_FILES)
+# beside the weights but not at the top level: engines load every top-level *.safetensors
+MEASURED_IN_ARTIFACT = "qship/measured.safetensors"
 
 
 def artifact_name(source: Snapshot | None, recipe: Recipe, fallback: str) -> str:
@@ -130,6 +135,11 @@ def package(
         if probe:
             fp = fingerprint(tmp, probe_ids(model_dir, vocab if isinstance(vocab, int) else None))
         steps["probe_s"] = round(time.perf_counter() - t, 3)
+        if evaluation.measured is not None:
+            (tmp / MEASURED_IN_ARTIFACT).parent.mkdir()
+            shutil.copyfile(evaluation.measured.file, tmp / MEASURED_IN_ARTIFACT)
+            measured = evaluation.measured.model_copy(update={"file": MEASURED_IN_ARTIFACT})
+            evaluation = evaluation.model_copy(update={"measured": measured})
         ev = EvalFile.of(evaluation, verdict=verdict, quantize=checkpoint.brief(), probe=fp)
         (tmp / "eval.json").write_text(json.dumps(ev.to_json(), indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(
@@ -152,6 +162,7 @@ def package(
             checkpoint_files=inputs,
             verdict_passed=verdict.passed,
             quantize_key=quantize_key,
+            served=evaluation.served,
             timings={**(timings or {}), **{f"package.{k}": v for k, v in steps.items()}},
         )
         (tmp / "provenance.json").write_text(

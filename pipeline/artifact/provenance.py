@@ -18,6 +18,7 @@ from ..records.artifact import (
     SourceProvenance,
 )
 from ..records.checkpoint import QuantizedCheckpoint
+from ..records.served import ServedCheck
 from ..records.snapshot import Snapshot
 
 PIPELINE_DIR = Path(__file__).resolve().parents[1]
@@ -59,6 +60,7 @@ def build_provenance(
     verdict_passed: bool,
     quantize_key: str | None = None,
     timings: dict[str, float] | None = None,
+    served: ServedCheck | None = None,
 ) -> Provenance:
     src = None
     if source is not None:
@@ -90,5 +92,6 @@ def build_provenance(
         library_versions=versions(),
         qship=qship_version(),
         verdict_passed=verdict_passed,
+        served=served,
         timings=timings or {},
     )

@@ -10,7 +10,7 @@ import typer
 
 from ..errors import UsageError
 from ..records.artifact import Artifact, PublishResult, VerifyReport
-from .common import JsonOpt
+from .common import DeviceOpt, JsonOpt
 
 
 def _read_json(path: Path, what: str) -> object:
@@ -82,13 +82,64 @@ def verify_cmd(
     pubkey: Annotated[Path | None, typer.Option("--pubkey", help="EC public key (PEM).")] = None,
     load: Annotated[bool, typer.Option("--load", help="Also load and run the probe.")] = False,
     atol: Annotated[float, typer.Option("--atol", help="Probe logit tolerance.")] = 0.05,
+    serve: Annotated[
+        str | None,
+        typer.Option(
+            "--serve",
+            help="Also serve it (vllm | transformers) on the held-out "
+            "tokens evaluate measured and compare (exit 4 beyond the recipe's "
+            "serve: limits, or the defaults).",
+        ),
+    ] = None,  # fmt: skip
+    serve_kv: Annotated[
+        str | None,
+        typer.Option(
+            "--serve-kv",
+            help="KV-cache dtype to serve with: auto | fp8 | bfloat16 "
+            "(default: the recipe's serve.kv_cache_dtype, else auto).",
+        ),
+    ] = None,  # fmt: skip
+    device: DeviceOpt = None,
     as_json: JsonOpt = False,
 ) -> VerifyReport:
-    """The pre-deploy gate: checksums, file set, records, weights vs config, signature."""
+    """The pre-deploy gate: checksums, file set, records, weights vs config, signature;
+    with --serve, the served model against the measured one."""
     from ..artifact.verify import verify
 
-    return verify(artifact, require_signature=require_signature, pubkey=pubkey, load=load,
-                  atol=atol)  # fmt: skip
+    report = verify(artifact, require_signature=require_signature, pubkey=pubkey, load=load,
+                    atol=atol)  # fmt: skip
+    if serve is None:
+        return report
+    return _serve_check(artifact, report, serve, serve_kv, device)
+
+
+def _serve_check(
+    artifact: Path, report: VerifyReport, engine: str, kv: str | None, device: str | None
+) -> VerifyReport:
+    """After the integrity checks passed: the served check with the artifact's own
+    recipe limits (`serve:`), else the defaults (exit 4 on failure)."""
+    from ..artifact.package import MEASURED_IN_ARTIFACT
+    from ..errors import GateFailed
+    from ..evaluate.engines import make
+    from ..evaluate.served import run_check
+    from ..recipe import ServeGate, load_recipe
+
+    if engine not in ("vllm", "transformers"):
+        make(engine, artifact)  # raises the usage error naming the choices
+    sg = load_recipe(artifact / "recipe.yaml").serve or ServeGate(engine=engine)
+    chk = run_check(artifact, artifact / MEASURED_IN_ARTIFACT, engine=engine,
+                    kv_cache_dtype=kv or sg.kv_cache_dtype, device=device, max_kl=sg.max_kl,
+                    min_top1=sg.min_top1, max_kl_increase=sg.max_kl_increase)  # fmt: skip
+    report = report.model_copy(update={"served": chk})
+    if not chk.passed:
+        raise GateFailed(
+            "the served model differs from the measured one: " + "; ".join(chk.failures),
+            path=str(artifact / MEASURED_IN_ARTIFACT),
+            hint="do not deploy: the engine serves other numbers than eval.json claims (a "
+            "corrupted or altered artifact, or an engine/version that computes differently)",
+            result=report,
+        )
+    return report
 
 
 def publish_cmd(

@@ -41,6 +41,7 @@ from ..records.evaluation import (
     Overlap,
 )
 from . import kl_stats, reference_cache
+from .numerics import served_attention
 from .scoring import (
     forward_logits,
     kv_modules,
@@ -49,6 +50,7 @@ from .scoring import (
     score_against_reference,
     sync,
 )
+from .served import Capture
 
 
 def model_ref(path: Path) -> ModelRef:
@@ -76,8 +78,14 @@ def evaluate(
     kv_off: bool = True,
     corpus_source: str | None = None,
     corpus_hash: str | None = None,
+    attention: str = "vllm",
+    measured_path: Path | None = None,
+    measured_topk: int = 32,
 ) -> EvalReport:
-    """Compare candidate with reference on `heldout_ids` [sequences, seq_len]."""
+    """Compare candidate with reference on `heldout_ids` [sequences, seq_len].
+    `attention`: the serving engine's attention numerics to simulate with an FP8 KV cache
+    (numerics.py); `measured_path`: where to store the measured top-k log-probs for the
+    served check (served.py; cached mode only)."""
     device = device or default_device()
     if heldout_ids.ndim != 2 or heldout_ids.shape[1] < 2:
         raise UsageError(
@@ -93,13 +101,16 @@ def evaluate(
 
     t_all = time.perf_counter()
     ref_entry = None
+    measured = None
     if exact:
         t0 = time.perf_counter()
         ref_model, cand_model = load(reference.path), load(candidate.path)
         timings["load_s"] = time.perf_counter() - t0
-        n_hooked = len(kv_modules(cand_model))
+        hooked = kv_modules(cand_model)
+        n_hooked = len(hooked)
         t0 = time.perf_counter()
-        on, off = _lockstep(ref_model, cand_model, ids, batch_size, do_kv_off)
+        with served_attention(cand_model, attention, hooked):
+            on, off = _lockstep(ref_model, cand_model, ids, batch_size, do_kv_off)
         sync(device)
         timings["lockstep_s"] = time.perf_counter() - t0
         del ref_model, cand_model
@@ -114,10 +125,16 @@ def evaluate(
         t0 = time.perf_counter()
         cand_model = load(candidate.path)
         timings["load_s"] = time.perf_counter() - t0
-        n_hooked = len(kv_modules(cand_model))
+        hooked = kv_modules(cand_model)
+        n_hooked = len(hooked)
         t0 = time.perf_counter()
         passes = {"on": True, "off": False} if do_kv_off else {"on": True}
-        scored = score_against_reference(cand_model, ids, ref, batch_size, passes, "candidate")
+        capture = Capture(min(measured_topk, topk)) if measured_path and measured_topk else None
+        with served_attention(cand_model, attention, hooked):
+            scored = score_against_reference(cand_model, ids, ref, batch_size, passes,
+                                             "candidate", capture=capture)  # fmt: skip
+        if capture is not None and measured_path is not None:
+            measured = capture.save(measured_path, ids, attention if n_hooked else "kv-only")
         on, off = scored["on"], scored.get("off")
         sync(device)
         timings["candidate_s"] = time.perf_counter() - t0
@@ -129,6 +146,7 @@ def evaluate(
             path=str(candidate.path / "config.json"),
             hint="check the transformers / compressed-tensors versions against constraints.txt",
         )
+    numerics = attention if (scheme is not None and n_hooked) else "no fp8 kv cache"
     mode = "exact" if exact else f"cached-top{topk}+tail"
     metrics = Metrics(**on.summary(), kl_mode=mode)
     metrics_off = Metrics(**off.summary(), kl_mode=mode) if do_kv_off and off else None
@@ -176,6 +194,7 @@ def evaluate(
             device=device,
             dtype=dtype or "auto",
             kv_cache="on (as deployed)" if scheme else "none in candidate",
+            attention=numerics,
             weights_only_pass=do_kv_off,
         ),  # fmt: skip
         metrics=metrics,
@@ -184,6 +203,7 @@ def evaluate(
         reference_cache=ref_entry.info() if ref_entry else None,
         benchmarks=benchmarks,
         overlap=overlap,
+        measured=measured,
         timings={k: round(v, 3) for k, v in timings.items()},
     )
 

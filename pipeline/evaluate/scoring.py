@@ -76,11 +76,13 @@ def score_against_reference(
     batch_size: int,
     kv_passes: dict[str, bool] | None = None,
     progress: str | None = None,
+    capture: Any = None,
 ) -> dict[str, kl_stats.Accumulator]:
     """Per-token figures of `model` on `ids` against a cached reference entry (top-k + tail,
     rows in sequence-then-position order). One pass per entry of `kv_passes` (name -> KV
     quantization on/off; a model without KV hooks is the same in both). Used by evaluate's
-    cached mode, by compare (per-token KL for the plot) and by sensitivity."""
+    cached mode, by compare (per-token KL for the plot) and by sensitivity. `capture`
+    (served.Capture) keeps the first pass's top-k log-probs for the served check."""
     kv_passes = kv_passes or {"on": True}
     acc = {name: kl_stats.Accumulator() for name in kv_passes}
     per_seq = ids.shape[1] - 1
@@ -90,10 +92,12 @@ def score_against_reference(
         batch = ids[s : s + batch_size]
         rows = slice(s * per_seq, (s + batch.shape[0]) * per_seq)
         part = {k: v[rows] for k, v in ref.items()}
-        for name, enabled in kv_passes.items():
+        for i, (name, enabled) in enumerate(kv_passes.items()):
             with kv_quantization(model, enabled):
                 cl, nxt = forward_logits(model, batch)
             acc[name].add(kl_stats.kl_topk_tail(part, cl, nxt))
+            if capture is not None and i == 0:
+                capture.add(part, cl)
             del cl
         if bar:
             bar.update(s + batch.shape[0])

@@ -96,7 +96,9 @@ def inspect_checkpoint(
 
 def _read_headers(root: Path, p: Problems) -> dict[str, Header]:
     headers: dict[str, Header] = {}
-    for rel in sorted(q.relative_to(root).as_posix() for q in root.rglob("*.safetensors")):
+    # the weights are the top-level shards, as transformers and vLLM load them (an
+    # artifact's qship/measured.safetensors is data beside them, covered by SHA256SUMS)
+    for rel in sorted(q.name for q in root.glob("*.safetensors")):
         try:
             headers[rel] = read_header(root / rel)
         except IntegrityError as e:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from ..io.hashing import FileDigest
 from .base import SCHEMA_VERSION, Record
 from .checkpoint import PeakMemory
+from .served import ServedCheck
 from .tokens import TokenSetInfo
 
 
@@ -85,6 +86,8 @@ class Provenance(Record):
     """The qship that made it."""
     verdict_passed: bool
     """The gate passed (publish refuses otherwise)."""
+    served: ServedCheck | None = None
+    """The served-artifact check's figures, when the recipe's `serve:` gate ran."""
     timings: dict[str, float] = {}
     """Seconds per stage; the only field that differs between two identical runs."""
 
@@ -148,9 +151,13 @@ class VerifyReport(Record):
     """What was checked and held."""
     warnings: list[str] = []
     """What was not checked and why."""
+    served: ServedCheck | None = None
+    """`--serve ENGINE`: the artifact as that engine serves it vs the measured model."""
 
     def summary(self) -> str:
         lines = [f"verify {self.path}: OK ({self.files} files, {self.tensors} tensors)"]
         lines += [f"  ✓ {c}" for c in self.checks]
         lines += [f"  ! {w}" for w in self.warnings]
+        if self.served is not None:
+            lines.append("  " + self.served.summary().replace("\n", "\n  "))
         return "\n".join(lines)

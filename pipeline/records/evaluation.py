@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from .base import SCHEMA_VERSION, Record
 from .checkpoint import QuantizeSummary
+from .served import MeasuredInfo, ServedCheck
 from .verdict import Verdict
 
 
@@ -213,6 +214,9 @@ class EvalSettings(Record):
     """Whether the candidate's FP8 KV cache was in the loop."""
     weights_only_pass: bool
     """A second candidate pass ran with the KV-cache rounding off."""
+    attention: str = "kv-only"
+    """Attention numerics with the FP8 KV cache: `vllm` (K, V and the query rounded to FP8,
+    as vLLM serves it on CUDA), `kv-only` (K and V), or no FP8 KV cache."""
 
 
 class KVShare(Record):
@@ -282,6 +286,12 @@ class EvalReport(Record):
     """lm-eval tasks of both models."""
     overlap: Overlap | None = None
     """Calibration text vs the held-out tokens and every local benchmark's items."""
+    measured: MeasuredInfo | None = None
+    """The measured log-probs stored for the served check."""
+    served: ServedCheck | None = None
+    """The served-artifact check (recipe `serve:`), when it ran."""
+    served_skipped: str | None = None
+    """Why the recipe's served check did not run (its engine absent here)."""
     timings: dict[str, float] = {}
     """Seconds per step."""
 

@@ -1,0 +1,144 @@
+"""Inference engines for the served check (served.py): each loads an artifact the way a
+deployment would and returns its log-probs at requested tokens.
+
+* transformers -- compressed-tensors' loader (the FP8 KV cache through its hooks) with the
+  attention numerics the measurement used: on the CPU in CI, it must reproduce the
+  measured log-probs to float noise, so a corrupted artifact stands out.
+* vllm -- `vllm.LLM` on the artifact folder exactly as a server would load it (its
+  quantization config, the KV cache dtype asked for; compiled unless `eager`), prompt
+  log-probs of the engine's top `served_topk` tokens per position; in a child process of
+  vLLM's own environment (vllm_child.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+
+VLLM_PIN = "vllm==0.26.0"
+
+
+def unavailable(name: str) -> str | None:
+    """Why `name` cannot serve here (None: it can)."""
+    if name == "vllm":
+        import importlib.util
+
+        if not torch.cuda.is_available():
+            return "vLLM needs a CUDA GPU"
+        if not os.environ.get("QSHIP_VLLM_PYTHON") and importlib.util.find_spec("vllm") is None:
+            return f"vLLM is not installed (QSHIP_VLLM_PYTHON unset; {VLLM_PIN})"
+    return None
+
+
+def make(name: str, model_dir: Path, **opts: Any) -> Any:
+    if name == "transformers":
+        return TransformersEngine(model_dir, **opts)
+    if name == "vllm":
+        return VllmEngine(model_dir, **opts)
+    raise UsageError(f"unknown serving engine {name!r}", path="--serve",
+                     hint="use vllm or transformers")  # fmt: skip
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, model_dir: Path, *, kv_cache_dtype: str = "auto", device: str | None = None,
+                 attention: str = "kv-only", max_len: int = 0, batch_size: int = 4) -> None:  # fmt: skip
+        from ..model.devices import default_device
+        from ..model.loading import load_model
+        from .scoring import kv_modules
+
+        self.device = device or default_device()
+        self.model = load_model(Path(model_dir), device=self.device, dtype=None)
+        self.hooked = kv_modules(self.model)
+        self.kv_on = kv_cache_dtype != "bfloat16"
+        self.attention = attention if self.kv_on else "kv-only"
+        self.batch_size = batch_size
+        self.facts = {"kv_hooked_attention_modules": str(len(self.hooked)),
+                      "attention": self.attention, "device": self.device}  # fmt: skip
+
+    @torch.inference_mode()
+    def logprobs_at(
+        self, ids: torch.Tensor, want: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        from .numerics import served_attention
+        from .scoring import forward_logits, kv_quantization
+
+        per_seq = ids.shape[1] - 1
+        out, top1 = [], []
+        with (
+            kv_quantization(self.model, self.kv_on),
+            served_attention(self.model, self.attention, self.hooked),
+        ):
+            for s in range(0, ids.shape[0], self.batch_size):
+                logits, _ = forward_logits(self.model, ids[s : s + self.batch_size])
+                rows = want[s * per_seq : s * per_seq + logits.shape[0]].to(logits.device)
+                lp = torch.log_softmax(logits.double(), -1)
+                out.append(lp.gather(-1, rows).cpu())
+                top1.append(lp.argmax(-1).cpu())
+                del logits, lp
+        return torch.cat(out), torch.cat(top1), 0
+
+
+class VllmEngine:
+    """vLLM in a child process (vllm_child.py) of $QSHIP_VLLM_PYTHON -- its own environment,
+    since vLLM pins other versions than qship (requirements/serve.lock) -- or of this Python
+    when vLLM is importable here."""
+
+    def __init__(self, model_dir: Path, *, kv_cache_dtype: str = "auto", device: str | None = None,
+                 attention: str = "", max_len: int = 0, served_topk: int = 256,
+                 eager: bool = False, gpu_memory_utilization: float = 0.5) -> None:  # fmt: skip
+        reason = unavailable("vllm")
+        if reason is not None:
+            raise UsageError(
+                f"the served check with vLLM cannot run here: {reason}",
+                path="--serve vllm",
+                hint=f"pip install 'qship[serve]' ({VLLM_PIN}, CUDA only) into its own "
+                "environment (`make serve-env`) and set QSHIP_VLLM_PYTHON to its python; "
+                "on a GPU host without internet see the README, 'GPU host without internet'",
+            )
+        self.args = {"model": str(Path(model_dir).resolve()), "kv_cache_dtype": kv_cache_dtype,
+                     "served_topk": served_topk, "eager": eager,
+                     "gpu_memory_utilization": gpu_memory_utilization}  # fmt: skip
+        self.name = "vllm"
+        self.facts: dict[str, str] = {"kv_cache_dtype": kv_cache_dtype, "enforce_eager": str(eager)}
+
+    def logprobs_at(
+        self, ids: torch.Tensor, want: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        import subprocess
+        import sys
+        import tempfile
+
+        from safetensors.torch import load_file, save_file
+
+        from ..errors import StageError
+
+        with tempfile.TemporaryDirectory(prefix="qship-vllm-") as tmp:
+            work = Path(tmp)
+            (work / "args.json").write_text(json.dumps(self.args))
+            save_file({"ids": ids.int().contiguous(), "want": want.int().contiguous()},
+                      str(work / "in.safetensors"))  # fmt: skip
+            python = os.environ.get("QSHIP_VLLM_PYTHON") or sys.executable
+            child = Path(__file__).with_name("vllm_child.py")
+            r = subprocess.run([python, str(child), str(work)], capture_output=True, text=True)
+            if r.returncode != 0 or not (work / "out.safetensors").is_file():
+                raise StageError(
+                    f"vLLM failed to serve the artifact (exit {r.returncode}): "
+                    + (r.stderr or r.stdout)[-1500:],
+                    path=str(self.args["model"]),
+                    hint="see vLLM's message above; the artifact's integrity was checked first",
+                )
+            facts = json.loads((work / "facts.json").read_text())
+            out = load_file(str(work / "out.safetensors"))
+        self.name = facts.pop("engine", "vllm")
+        missing = int(facts.pop("missing", 0))
+        self.facts.update({k: v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+                           for k, v in facts.items()})  # fmt: skip
+        return out["vals"], out["top1"], missing

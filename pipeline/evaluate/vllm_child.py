@@ -1,0 +1,107 @@
+"""Run by engines.VllmEngine as a script in vLLM's own Python environment (its pins differ
+from qship's: requirements/serve.lock), so it imports nothing from qship.
+
+    python vllm_child.py WORKDIR     # reads WORKDIR/args.json + in.safetensors (ids, want)
+
+Loads the artifact with vllm.LLM as a server would (its quantization config, the KV cache
+dtype asked for, compiled unless eager), asks for the prompt log-probs of the top
+`served_topk` tokens per position and writes WORKDIR/out.safetensors: `vals` [N, m]
+(log-prob of each wanted token, the position's k-th value where the engine did not return
+it), `top1` [N], and WORKDIR/facts.json (version, kernels, attention, scales, counts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: inspectable
+# vLLM generates one token after the prompt (max_tokens >= 1): a window as long as the
+# model's context needs max_model_len = len + 1; that extra token is never read
+os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+
+
+def positions(plp):
+    """prompt_logprobs (FlatLogprobs or a list of {token: Logprob}) -> per predicted
+    position 1..T-1: (token ids, log-probs)."""
+    if hasattr(plp, "start_indices"):
+        for t in range(1, len(plp)):
+            s, e = plp.start_indices[t], plp.end_indices[t]
+            yield plp.token_ids[s:e], plp.logprobs[s:e]
+        return
+    for d in list(plp)[1:]:
+        yield list(d.keys()), [v.logprob for v in d.values()]
+
+
+def inspect(model) -> dict:
+    import torch
+
+    kernels: dict[str, int] = {}
+    attn: dict = {}
+    for _, mod in model.named_modules():
+        scheme = getattr(mod, "scheme", None)
+        if scheme is not None:
+            key = f"{type(scheme).__name__}/{type(getattr(scheme, 'kernel', None)).__name__}"
+            kernels[key] = kernels.get(key, 0) + 1
+        if hasattr(mod, "kv_cache_dtype") and hasattr(mod, "impl") and not attn:
+            attn = {"impl": type(mod.impl).__name__, "kv_cache_dtype": str(mod.kv_cache_dtype)}
+            for n in ("q", "k", "v"):
+                v = getattr(mod, f"_{n}_scale", None)
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    attn[f"{n}_scale"] = float(v.float().item())
+    return {"linear_kernels": kernels, "attention": attn}
+
+
+def main(work: Path) -> None:
+    import torch
+    import vllm
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    args = json.loads((work / "args.json").read_text())
+    data = load_file(str(work / "in.safetensors"))
+    ids, want = data["ids"].long(), data["want"].long()
+    k = int(args["served_topk"])
+    t0 = time.perf_counter()
+    llm = LLM(model=args["model"], dtype="auto", kv_cache_dtype=args["kv_cache_dtype"],
+              max_logprobs=k, enforce_eager=bool(args["eager"]), seed=0,
+              max_model_len=int(ids.shape[1]) + 1,
+              gpu_memory_utilization=float(args["gpu_memory_utilization"]))  # fmt: skip
+    facts: dict = {
+        "engine": f"vllm {vllm.__version__}",
+        "load_s": round(time.perf_counter() - t0, 2),
+    }
+    try:
+        facts.update(llm.apply_model(inspect)[0])
+    except Exception as e:  # noqa: BLE001 - best effort; vllm's log says it too
+        facts["inspect_error"] = repr(e)[:300]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=r.tolist()) for r in ids], sp,
+                        use_tqdm=False)  # fmt: skip
+    facts["score_s"] = round(time.perf_counter() - t0, 2)
+    per_seq = ids.shape[1] - 1
+    vals = torch.empty(want.shape, dtype=torch.float64)
+    top1 = torch.empty(want.shape[0], dtype=torch.long)
+    missing = 0
+    for s, o in enumerate(outs):
+        for t, (tok, lps) in enumerate(positions(o.prompt_logprobs)):
+            r = s * per_seq + t
+            table = dict(zip(tok, lps, strict=True))
+            best = max(table, key=table.__getitem__)
+            top1[r] = best
+            floor = min(lps)
+            row = [table.get(i) for i in want[r].tolist()]
+            missing += sum(v is None for v in row)
+            vals[r] = torch.tensor([floor if v is None else v for v in row], dtype=torch.float64)
+    facts["missing"] = missing
+    save_file({"vals": vals, "top1": top1}, str(work / "out.safetensors"))
+    (work / "facts.json").write_text(json.dumps(facts, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

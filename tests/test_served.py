@@ -1,0 +1,154 @@
+"""The served-artifact check (pipeline/evaluate/served.py) with transformers as the engine,
+and the FP8 query rounding that makes evaluate measure what vLLM serves.
+
+A run with `serve: {engine: transformers}` stores the measured log-probs in the artifact
+and checks them against the engine: served == measured to float noise. An artifact whose
+weights were altered *and* whose SHA256SUMS was rewritten to match passes the integrity
+checks but fails `qship verify --serve` (exit 4). vLLM absent: `--serve vllm` exits 2
+saying how to install it, and a recipe's vllm serve gate is reported as not run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.cli_run import qship
+
+ROOT = Path(__file__).resolve().parent.parent
+GATE_FAILED, USAGE = 4, 2
+
+
+def small_recipe(tmp: Path, serve: dict | None) -> Path:
+    data = yaml.safe_load((ROOT / "recipes" / "rtn-w4.yaml").read_text())
+    data.update(name="rtn-w4-served", calibration={"num_samples": 4, "seq_len": 64},
+                evaluation={"sequences": 4, "seq_len": 64, "measured_topk": 16},
+                gates={"kl_mean_max": 5.0})  # fmt: skip
+    if serve is not None:
+        data["serve"] = serve
+    p = tmp / f"{data['name']}.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+@pytest.fixture(scope="module")
+def served_artifact(tmp_path_factory, tiny_llama) -> tuple[Path, dict]:
+    from pipeline.cli import main  # a module fixture cannot take capsys
+
+    tmp = tmp_path_factory.mktemp("served")
+    recipe = small_recipe(tmp, {"engine": "transformers"})
+
+    out = tmp / "art"
+    rc = main(["run", "--model", str(tiny_llama), "--recipe", str(recipe), "--out", str(out),
+               "--cache-dir", str(tmp / "cache"), "--device", "cpu"])  # fmt: skip
+    assert rc == 0
+    return out, json.loads((out / "eval.json").read_text())
+
+
+def test_run_serves_and_stores_what_it_measured(served_artifact):
+    art, ev = served_artifact
+    assert (art / "qship" / "measured.safetensors").is_file()
+    assert ev["measured"]["file"] == "qship/measured.safetensors" and ev["measured"]["topk"] == 16
+    assert ev["settings"]["attention"] == "vllm"  # FP8 KV: the query is rounded as vLLM does
+    s = ev["served"]
+    assert s["passed"] and s["engine"] == "transformers" and s["missing"] == 0
+    assert s["served_vs_measured"]["kl_mean"] < 1e-6 and s["served_vs_measured"]["top1"] == 1.0
+    # the same top-k approximation on both sides: the served KL to the reference is the measured
+    assert s["served_vs_reference"]["kl_mean"] == pytest.approx(
+        s["measured_vs_reference"]["kl_mean"], rel=1e-4
+    )
+    assert s["measured_vs_reference"]["kl_mean"] <= ev["metrics"]["kl"]["mean"] * 1.0001
+    names = {c["name"] for c in ev["verdict"]["checks"]}
+    assert {"serve.max_kl", "serve.min_top1", "serve.max_kl_increase"} <= names
+    card = (art / "README.md").read_text()
+    assert "## Served check: PASSED (transformers" in card
+    prov = json.loads((art / "provenance.json").read_text())
+    assert prov["served"]["passed"] is True
+
+
+def test_verify_serve_passes_then_catches_altered_weights(served_artifact, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.io.hashing import format_sha256sums, hash_files, list_files
+
+    art, _ = served_artifact
+    rc, rep = qship(capsys, "verify", str(art), "--serve", "transformers", "--device", "cpu")
+    assert rc == 0 and rep["served"]["passed"], rep
+    # alter one layer's scales and re-write SHA256SUMS: every integrity check still holds
+    bad = shutil.copytree(art, tmp_path / "bad")
+    w = load_file(str(bad / "model.safetensors"))
+    for name in [k for k in w if k.endswith("mlp.down_proj.weight_scale")]:
+        w[name] = w[name] * 1.5
+    save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    sums = {r: d.sha256 for r, d in hash_files(bad, list_files(bad)).items() if r != "SHA256SUMS"}
+    (bad / "SHA256SUMS").write_text(format_sha256sums(sums))
+    rc, ok = qship(capsys, "verify", str(bad))
+    assert rc == 0, ok  # checksums and headers cannot tell
+    rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu")
+    assert rc == GATE_FAILED, err
+    assert "served model differs from the measured one" in err["message"]
+    assert err["result"]["served"]["served_vs_measured"]["kl_mean"] > 0.03
+
+
+def test_verify_serve_vllm_absent_is_a_usage_error(served_artifact, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.fail("this test expects an environment without vLLM (CI, make test)")
+    art, _ = served_artifact
+    rc, err = qship(capsys, "verify", str(art), "--serve", "vllm")
+    assert rc == USAGE and "qship[serve]" in err["hint"], err
+
+
+def test_recipe_vllm_gate_without_vllm_is_reported_not_run(tmp_path, tiny_llama, capsys):
+    recipe = small_recipe(tmp_path, {"engine": "vllm"})
+    rc, rec = qship(capsys, "run", "--model", str(tiny_llama), "--recipe", str(recipe),
+                    "--out", str(tmp_path / "art"), "--cache-dir", str(tmp_path / "cache"),
+                    "--device", "cpu")  # fmt: skip
+    assert rc == 0, rec
+    ev = json.loads((tmp_path / "art" / "eval.json").read_text())
+    assert ev["served"] is None and "vLLM" in ev["served_skipped"]  # no GPU / no vLLM here
+    assert not any(c["name"].startswith("serve.") for c in ev["verdict"]["checks"])
+
+
+def test_fp8_query_rounding(tiny_llama, tmp_path):
+    """fp8_round saturates at 448 and is idempotent; served_attention changes the logits
+    of a KV-hooked model only while its KV rounding is on."""
+    from pipeline.evaluate.numerics import FP8_MAX, fp8_round, served_attention
+    from pipeline.evaluate.scoring import forward_logits, kv_modules, kv_quantization
+    from pipeline.model.loading import load_model
+
+    x = torch.tensor([0.0, 0.1234, -3.3, 1000.0, -1e6])
+    y = fp8_round(x)
+    assert torch.equal(fp8_round(y), y) and y[3] == FP8_MAX and y[4] == -FP8_MAX
+    assert abs(float(y[1]) - 0.1234) < 0.01 and y[1] != x[1]
+
+    from pipeline.cli import main
+
+    recipe = small_recipe(tmp_path, None)
+    assert main(["quantize", "--model", str(tiny_llama), "--recipe", str(recipe),
+                 "--out", str(tmp_path / "q"), "--cache-dir", str(tmp_path / "c"),
+                 "--device", "cpu"]) == 0  # fmt: skip
+    model = load_model(tmp_path / "q", device="cpu")
+    hooked = kv_modules(model)
+    assert hooked
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
+    with kv_quantization(model, True):
+        kv_only, _ = forward_logits(model, ids)
+        with served_attention(model, "vllm", hooked) as wrapped:
+            assert wrapped
+            vllm_like, _ = forward_logits(model, ids)
+        again, _ = forward_logits(model, ids)  # restored on exit
+    assert not torch.equal(kv_only, vllm_like) and torch.equal(kv_only, again)
+    with kv_quantization(model, False), served_attention(model, "vllm", hooked):
+        off_wrapped, _ = forward_logits(model, ids)
+    with kv_quantization(model, False):
+        off, _ = forward_logits(model, ids)
+    assert torch.equal(off, off_wrapped)  # weights-only pass: no query rounding
