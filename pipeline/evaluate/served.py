@@ -137,6 +137,9 @@ def check(
     t0 = time.perf_counter()
     served, served_top1, missing = engine.logprobs_at(measured["ids"].long(), want)
     score_s = time.perf_counter() - t0
+    if "load_s" in engine.facts:  # an engine in a child process loads inside logprobs_at
+        load_s = float(engine.facts["load_s"])
+        score_s -= load_s
     at_cand, at_ref = served[:, :k], served[:, k:]
     vs_meas = _figures(_kl(measured["cand_logp"], measured["cand_tail"], at_cand),
                        served_top1 == measured["cand_ids"][:, 0].long())  # fmt: skip
