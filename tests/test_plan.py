@@ -161,3 +161,34 @@ def test_plan_needs_a_checkpoint_dir(tmp_path, capsys):
         ["plan", "--model", str(tmp_path), "--recipe", str(R / "gemma-mixed-w4.yaml"), "--json"]
     )
     assert code == 2 and "config.json" in json.loads(capsys.readouterr().out)["message"]
+
+
+def test_resource_estimate_and_the_fit_check(capsys, tiny_llama, tmp_path, monkeypatch):
+    """`qship plan --device` predicts memory, disk and time from the config; `qship run`
+    on a GPU whose free memory is below the predicted peak exits 2 before fetching."""
+    import json as _json
+
+    from pipeline.model import devices
+    from tests.cli_run import qship
+
+    recipe = str(ROOT / "recipes" / "gemma-mixed-w4.yaml")
+    rc, plan = qship(capsys, "plan", "--model", str(tiny_llama), "--recipe", recipe,
+                     "--device", "cuda")  # fmt: skip
+    assert rc == 0, plan
+    est = plan["estimate"]
+    dense = plan["params"]["dense_bytes"]
+    assert est["device"] == "cuda" and est["quantize_gpu_bytes"] > dense
+    assert est["quantize_s"] > 0 and est["disk_bytes"] > dense
+    rc, cpu = qship(capsys, "plan", "--model", str(tiny_llama), "--recipe", recipe,
+                    "--device", "cpu")  # fmt: skip
+    assert cpu["estimate"]["quantize_gpu_bytes"] is None
+    assert cpu["estimate"]["quantize_cpu_bytes"] > est["quantize_cpu_bytes"]  # fp32 on the CPU
+
+    monkeypatch.setattr(devices, "free_gpu_bytes", lambda device: 1_000_000)
+    out = tmp_path / "art"
+    rc, err = qship(capsys, "run", "--model", str(tiny_llama), "--recipe", recipe, "--out",
+                    str(out), "--device", "cuda", "--cache-dir", str(tmp_path / "c"))  # fmt: skip
+    assert rc == 2 and "GPU memory" in err["message"] and "0.0 GB are free" in err["message"]
+    assert "--device cpu" in err["hint"]
+    run = _json.loads((tmp_path / "art.report" / "run.json").read_text())
+    assert not {"fetch", "quantize"} & {s["stage"] for s in run["stages"]}

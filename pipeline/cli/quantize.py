@@ -18,17 +18,24 @@ def plan_cmd(
         str, typer.Option("--model", help="A folder, hf://org/name[@rev], a .gguf or gguf-pkg://.")
     ],
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
+    device: DeviceOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> Plan:
     """Every Linear module's group, method and scheme, the AWQ mappings and the size, from
     the model's config alone (no weights read)."""
     from ..fetch import read_config
+    from ..model.devices import default_device
     from ..quantize import plan_for_config
+    from ..quantize.estimate import estimate
     from ..recipe import load_recipe
 
     r = load_recipe(recipe)
-    plan = plan_for_config(read_config(model, cache_dir=cache_root(cache_dir)), r)
+    config = read_config(model, cache_dir=cache_root(cache_dir))
+    plan = plan_for_config(config, r)
+    plan = plan.model_copy(
+        update={"estimate": estimate(plan, config, r, device or default_device())}
+    )
     if not as_json:
         log.console().print(module_table(plan))
     return plan

@@ -50,3 +50,14 @@ def device_kind(device: str | None) -> str:
 def compute_dtype(dtype: str, device: str) -> str:
     """The dtype the math runs in: float32 on the CPU (see above), `dtype` elsewhere."""
     return "float32" if device_kind(device) == "cpu" else dtype
+
+
+def free_gpu_bytes(device: str | None) -> int | None:
+    """Free memory of the CUDA device a run will use (None on the CPU / without CUDA)."""
+    import torch
+
+    device = device or default_device()
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)

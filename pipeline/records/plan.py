@@ -7,6 +7,7 @@ from typing import Literal
 
 from ..recipe import KVCache
 from .base import Record
+from .estimate import ResourceEstimate
 
 Method = Literal["awq", "gptq", "rtn", "none"]
 
@@ -121,6 +122,8 @@ class Plan(Record):
     """Parameter counts."""
     notes: list[str] = []
     """What the plan could not do as asked (skipped mappings, AWQ modules without smoothing)."""
+    estimate: ResourceEstimate | None = None
+    """Predicted memory, disk and time of this run on its device (qship plan / run)."""
 
     def by_name(self) -> dict[str, ModulePlan]:
         return {m.name: m for m in self.modules}
@@ -160,4 +163,6 @@ class Plan(Record):
             f"{self.expected_checkpoint_bytes / 1e6:.0f} MB (dense {self.dtype} "
             f"{self.params.dense_bytes / 1e6:.0f} MB)"
         )
+        if self.estimate is not None:
+            lines.append(self.estimate.summary())
         return "\n".join(lines)
