@@ -185,7 +185,10 @@ def quantize_stage(
     with ctx.stage("quantize", key) as line:
         entry = ctx.cache.get_or_build("quantize", key, build)
         rec = QuantizedCheckpoint.from_json(entry.record, where=str(entry.path), error=StageError)
-        qc = rec.model_copy(update={"path": entry.path / QUANT_MODEL})
+        # the entry is shared by every recipe with these quantization fields: name it after
+        # the recipe of this run, not the one that happened to build it
+        qc = rec.model_copy(update={"path": entry.path / QUANT_MODEL, "recipe_name": recipe.name,
+                                    "recipe_hash": recipe.hash()})  # fmt: skip
         c = qc.checkpoint
         line.note = f"{c.bits_per_weight_quantized:.3f} bits/weight, {c.bytes / 1e6:.0f} MB"
         line.cached = entry.hit

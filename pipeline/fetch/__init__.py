@@ -76,7 +76,10 @@ def _pin_by_content(snap: Snapshot, checksums_dir: Path, require_pin: bool) -> S
     if found is not None:
         return snap.model_copy(update={"pin_status": "pinned", "manifest": str(found)})
     if require_pin:
-        raise unpinned_error(snap.source, checksums_dir / "<none>.json")
+        from ..io.hashing import Manifest
+
+        name = Manifest.filename(snap.repo_id or "local/model", snap.revision or "local")
+        raise unpinned_error(snap.source, checksums_dir / name)
     return snap
 
 
