@@ -258,9 +258,7 @@ def serve_stage(
             line.note = f"not run: {reason}"
             return report.model_copy(update={"served_skipped": reason})
         assert report.measured is not None
-        chk = run_check(qc.path, Path(report.measured.file), engine=sg.engine,
-                        kv_cache_dtype=sg.kv_cache_dtype, device=ctx.device, max_kl=sg.max_kl,
-                        min_top1=sg.min_top1, max_kl_increase=sg.max_kl_increase)  # fmt: skip
+        chk = run_check(qc.path, Path(report.measured.file), sg, device=ctx.device)
         line.note = chk.summary().splitlines()[0]
     return report.model_copy(update={"served": chk})
 

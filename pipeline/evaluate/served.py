@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import IntegrityError
 from ..io.hashing import sha256_file
+from ..recipe import ServeGate
 from ..records.served import KLFigures, MeasuredInfo, ServedCheck
 from .kl_stats import CHUNK, LOG_FLOOR, _tail_logmass
 
@@ -168,25 +169,18 @@ def check(
 
 
 def run_check(
-    model_dir: Path,
-    measured_path: Path,
-    *,
-    engine: str,
-    kv_cache_dtype: str = "auto",
-    device: str | None = None,
-    max_kl: float = 0.03,
-    min_top1: float = 0.90,
-    max_kl_increase: float = 0.05,
+    model_dir: Path, measured_path: Path, gate: ServeGate, *, device: str | None = None,
     **engine_opts: Any,
-) -> ServedCheck:
-    """Load `model_dir` in `engine` and compare it with the measured file."""
+) -> ServedCheck:  # fmt: skip
+    """Load `model_dir` in the gate's engine and compare it with the measured file."""
     from . import engines
 
     measured, meta = load_measured(measured_path)
     t0 = time.perf_counter()
-    eng = engines.make(engine, Path(model_dir), kv_cache_dtype=kv_cache_dtype, device=device,
-                       attention=meta.get("attention", "kv-only"),
+    eng = engines.make(gate.engine, Path(model_dir), kv_cache_dtype=gate.kv_cache_dtype,
+                       device=device, attention=meta.get("attention", "kv-only"),
                        max_len=int(measured["ids"].shape[1]), **engine_opts)  # fmt: skip
     load_s = time.perf_counter() - t0
-    return check(eng, measured, kv_cache_dtype=kv_cache_dtype, max_kl=max_kl,
-                 min_top1=min_top1, max_kl_increase=max_kl_increase, load_s=load_s)  # fmt: skip
+    return check(eng, measured, kv_cache_dtype=gate.kv_cache_dtype, max_kl=gate.max_kl,
+                 min_top1=gate.min_top1, max_kl_increase=gate.max_kl_increase,
+                 load_s=load_s)  # fmt: skip
