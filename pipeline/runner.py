@@ -72,6 +72,9 @@ class Context:
     device: str | None = None
     checksums_dir: Path = Path("checksums")
     require_pin: bool = False  # an input no manifest pins is exit 3 (--require-pin)
+    offload: str = "auto"  # where the weights live (--offload); check_recipe resolves auto
+    gpus: int = 0  # >0: quantize under torchrun with this many processes (--gpus)
+    torchrun_args: tuple[str, ...] = ()  # rendezvous flags for several nodes
     rows: list[StageRow] = field(default_factory=list)
 
     @property
@@ -100,15 +103,18 @@ class Context:
 def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = True) -> Plan:
     """The recipe against the model's config, before any weight is fetched (exit 2)."""
     from .fetch import read_config
-    from .model.devices import default_device, free_gpu_bytes
+    from .model.devices import default_device, free_cpu_bytes, free_gpu_bytes
     from .quantize import plan_for_config
-    from .quantize.estimate import estimate, require_fit
+    from .quantize.estimate import choose, require_fit
 
     with ctx.stage("recipe") as line:
         config = read_config(model, cache_dir=ctx.cache_dir)
         plan = plan_for_config(config, recipe)
-        est = estimate(plan, config, recipe, ctx.device or default_device())
-        require_fit(est, free_gpu_bytes=free_gpu_bytes(ctx.device), recipe=recipe)
+        free = free_gpu_bytes(ctx.device)
+        est = choose(plan, config, recipe, ctx.device or default_device(), offload=ctx.offload,
+                     free_gpu_bytes=free, free_cpu_bytes=free_cpu_bytes())  # fmt: skip
+        require_fit(est, free_gpu_bytes=free, recipe=recipe)
+        ctx.offload = est.offload
         plan = plan.model_copy(update={"estimate": est})
         line.note = f"{recipe.name} fits {plan.architecture} ({recipe.path})"
     if show_plan:
@@ -157,29 +163,47 @@ def eval_data_stage(
     return EvalData(data, ov)
 
 
-def quantize_key(snapshot: Snapshot, recipe: Recipe, tokens: TokenSets, device: str | None) -> str:
+def quantize_key(
+    snapshot: Snapshot, recipe: Recipe, tokens: TokenSets, device: str | None, processes: int = 1
+) -> str:
     resolved = recipe.resolved()
-    return stage_key(
-        "quantize",
-        {
-            "model": snapshot.model_hash,
-            "recipe": {k: resolved[k] for k in _QUANT_FIELDS},
-            "calib": tokens.calib_hash,
-            # GPU and CPU kernels round differently: their checkpoints are different inputs
-            "device": device_kind(device),
-        },
-    )
+    inputs: dict[str, Any] = {
+        "model": snapshot.model_hash,
+        "recipe": {k: resolved[k] for k in _QUANT_FIELDS},
+        "calib": tokens.calib_hash,
+        # GPU and CPU kernels round differently: their checkpoints are different inputs
+        "device": device_kind(device),
+    }
+    if processes > 1:  # statistics reduced across ranks sum in another order
+        inputs["processes"] = processes
+    return stage_key("quantize", inputs)
+
+
+class NotOnRankZero(Exception):
+    """Multi-node: this node's ranks finished quantize; the node with rank 0 carries on."""
 
 
 def quantize_stage(
-    snapshot: Snapshot, recipe: Recipe, tokens: TokenSets, ctx: Context
+    snapshot: Snapshot, recipe: Recipe, tokens: TokenSets, ctx: Context, *, layers: int = 0
 ) -> tuple[QuantizedCheckpoint, str]:
+    from .model.devices import default_device
     from .quantize import quantize
+    from .quantize.distributed import launch
 
-    key = quantize_key(snapshot, recipe, tokens, ctx.device)
+    key = quantize_key(snapshot, recipe, tokens, ctx.device, ctx.gpus)
 
     def build(tmp: Path) -> dict[str, Any]:
-        qc = quantize(snapshot.path, recipe, tmp / QUANT_MODEL, tokens=tokens, device=ctx.device)
+        out = tmp / QUANT_MODEL
+        if ctx.gpus:
+            qc = launch(snapshot.path, recipe, out, cache_dir=ctx.cache_dir, gpus=ctx.gpus,
+                        device=ctx.device or default_device(), offload=ctx.offload,
+                        torchrun_args=ctx.torchrun_args, layers=layers)  # fmt: skip
+            if qc is None:
+                raise NotOnRankZero()
+        else:
+            qc = quantize(snapshot.path, recipe, out, tokens=tokens, device=ctx.device,
+                          offload=ctx.offload)  # fmt: skip
+        assert qc is not None
         return qc.model_copy(update={"path": Path(QUANT_MODEL)}).to_json()
 
     with ctx.stage("quantize", key) as line:
@@ -222,7 +246,7 @@ def evaluate_stage(
             task_batch_size=ev.task_batch_size, overlap=evdata.overlap,
             batch_size=ev.batch_size, device=ctx.device, corpus_source=tokens.info.source,
             corpus_hash=tokens.info.corpus_hash, attention=ev.attention,
-            measured_path=tmp / MEASURED, measured_topk=ev.measured_topk,
+            measured_path=tmp / MEASURED, measured_topk=ev.measured_topk, offload=ctx.offload,
         )  # fmt: skip
         if rep.measured is not None:  # relative in the entry; the entry moves when complete
             rep = rep.model_copy(
@@ -299,13 +323,17 @@ def run(
     allow_pickle: bool = False,
     checksums_dir: Path = Path("checksums"),
     require_pin: bool = False,
+    offload: str = "auto",
+    gpus: int = 0,
+    torchrun_args: tuple[str, ...] = (),
 ) -> RunRecord:
     """recipe → fetch → tokens → quantize → evaluate → gate → package (→ publish).
     Raises GateFailed (4) when the gate fails; every error carries the RunRecord."""
     out = check_out(out)
     recipe = load_recipe(recipe_path)
     ctx = Context(Path(cache_dir), device=device, checksums_dir=Path(checksums_dir),
-                  require_pin=require_pin)  # fmt: skip
+                  require_pin=require_pin, offload=offload, gpus=gpus,
+                  torchrun_args=torchrun_args)  # fmt: skip
     reports = report_dir_for(out)
     rec = RunRecord(model=model, recipe=str(recipe_path), recipe_name=recipe.name,
                     report_dir=reports)  # fmt: skip
@@ -326,11 +354,15 @@ def _run(
     model: str, recipe: Recipe, out: Path, reports: Path, ctx: Context, rec: RunRecord,
     publish_to: str | None, sign_key: Path | None, allow_pickle: bool,
 ) -> RunRecord:  # fmt: skip
-    check_recipe(model, recipe, ctx)
+    plan = check_recipe(model, recipe, ctx)
     snap = fetch_stage(model, ctx, allow_pickle=allow_pickle)
     tokens = tokens_stage(snap, recipe, ctx)
     evdata = eval_data_stage(snap, recipe, tokens, ctx)
-    qc, qkey = quantize_stage(snap, recipe, tokens, ctx)
+    try:
+        qc, qkey = quantize_stage(snap, recipe, tokens, ctx, layers=len(plan.decoder_layers))
+    except NotOnRankZero:
+        log.info("quantize done on this node; the node running rank 0 evaluates and packages")
+        return _finish(rec, ctx, reports)
     report = evaluate_stage(snap, qc, qkey, recipe, tokens, evdata, ctx)
     report = serve_stage(qc, report, recipe, ctx)
     verdict = gate_stage(report, recipe, ctx)

@@ -227,7 +227,7 @@ def test_silent_override_is_caught(quantized, tiny_gemma):
 def test_failed_check_leaves_nothing(tiny_gemma, tmp_path, tokens, monkeypatch):
     import pipeline.quantize.engine as q
 
-    def boom(out_dir, ids, device="cpu"):
+    def boom(out_dir, ids, device="cpu", offload="none"):
         raise StageError("reloaded checkpoint gives non-finite logits (first non-finite output: x)")
 
     monkeypatch.setattr(q, "verify_reload", boom)

@@ -26,6 +26,40 @@ RequirePinOpt = Annotated[
 DeviceOpt = Annotated[
     str | None, typer.Option("--device", help="cuda / cpu (default: the GPU when there is one).")
 ]
+OffloadOpt = Annotated[
+    str,
+    typer.Option(
+        "--offload",
+        help="Where the weights live while quantize and evaluate run: none (on the GPU), cpu "
+        "(host memory, one decoder layer on the GPU at a time), disk (memory-mapped files), "
+        "auto (none when the estimate fits the free GPU memory, else cpu, else disk).",
+    ),
+]
+GpusOpt = Annotated[
+    int,
+    typer.Option(
+        "--gpus",
+        help="Quantize with N processes under torchrun (one per GPU; llm-compressor's "
+        "distributed oneshot). 0: in this process.",
+        min=0,
+    ),
+]
+TorchrunOpt = Annotated[
+    str,
+    typer.Option(
+        "--torchrun-args",
+        help='Extra torchrun flags, e.g. "--nnodes 2 --node-rank 0 --rdzv-backend c10d '
+        '--rdzv-endpoint HOST:29500" (every node runs the same qship run).',
+    ),
+]
+OFFLOAD_CHOICES = ("auto", "none", "cpu", "disk")
+
+
+def check_offload(offload: str) -> str:
+    if offload not in OFFLOAD_CHOICES:
+        raise UsageError(f"--offload {offload!r} is not one of {', '.join(OFFLOAD_CHOICES)}",
+                         path="--offload", hint="use auto, none, cpu or disk")  # fmt: skip
+    return offload
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:

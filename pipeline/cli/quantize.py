@@ -8,9 +8,10 @@ from typing import Annotated, Any
 import typer
 
 from .. import log
+from ..errors import UsageError
 from ..records.checkpoint import QuantizedCheckpoint
 from ..records.plan import Plan
-from .common import CacheOpt, DeviceOpt, JsonOpt, cache_root
+from .common import CacheOpt, DeviceOpt, JsonOpt, OffloadOpt, cache_root, check_offload
 
 
 def plan_cmd(
@@ -19,23 +20,24 @@ def plan_cmd(
     ],
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
     device: DeviceOpt = None,
+    offload: OffloadOpt = "none",
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> Plan:
     """Every Linear module's group, method and scheme, the AWQ mappings and the size, from
     the model's config alone (no weights read)."""
     from ..fetch import read_config
-    from ..model.devices import default_device
+    from ..model.devices import default_device, free_cpu_bytes, free_gpu_bytes
     from ..quantize import plan_for_config
-    from ..quantize.estimate import estimate
+    from ..quantize.estimate import choose
     from ..recipe import load_recipe
 
     r = load_recipe(recipe)
     config = read_config(model, cache_dir=cache_root(cache_dir))
     plan = plan_for_config(config, r)
-    plan = plan.model_copy(
-        update={"estimate": estimate(plan, config, r, device or default_device())}
-    )
+    est = choose(plan, config, r, device or default_device(), offload=check_offload(offload),
+                 free_gpu_bytes=free_gpu_bytes(device), free_cpu_bytes=free_cpu_bytes())  # fmt: skip
+    plan = plan.model_copy(update={"estimate": est})
     if not as_json:
         log.console().print(module_table(plan))
     return plan
@@ -60,6 +62,7 @@ def quantize_cmd(
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
     out: Annotated[Path, typer.Option("--out", help="Output directory (must not exist).")],
     device: DeviceOpt = None,
+    offload: OffloadOpt = "none",
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> QuantizedCheckpoint:
@@ -72,12 +75,16 @@ def quantize_cmd(
     from ..recipe import load_recipe
 
     r = load_recipe(recipe)
+    if check_offload(offload) == "auto":
+        raise UsageError("qship quantize takes --offload none, cpu or disk", path="--offload",
+                         hint="`qship plan --offload auto` says which one fits")  # fmt: skip
     build_plan(load_meta_model(model), r)  # an invalid recipe: exit 2 before any compute
     with log.stage("tokens") as line:
         tokens = build_token_sets(AutoTokenizer.from_pretrained(model), r.calibration,
                                   r.evaluation, cache_dir=cache_root(cache_dir))  # fmt: skip
         line.note = tokens.info.summary()
     with log.stage("quantize") as line:
-        qc = quantize(model, r, out, tokens=tokens, device=device)
+        qc = quantize(model, r, out, tokens=tokens, device=device, offload=offload)
+        assert qc is not None  # one process: always the writer
         line.note = f"{qc.checkpoint.bits_per_weight_quantized:.3f} bits/weight → {out}"
     return qc

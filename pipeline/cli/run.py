@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -9,7 +10,17 @@ import typer
 
 from .. import log
 from ..records.run import RunRecord
-from .common import CacheOpt, DeviceOpt, JsonOpt, RequirePinOpt, cache_root
+from .common import (
+    CacheOpt,
+    DeviceOpt,
+    GpusOpt,
+    JsonOpt,
+    OffloadOpt,
+    RequirePinOpt,
+    TorchrunOpt,
+    cache_root,
+    check_offload,
+)
 
 
 def run_cmd(
@@ -30,6 +41,9 @@ def run_cmd(
         bool, typer.Option("--allow-pickle", help="Accept .bin/.pt weights.")
     ] = False,
     require_pin: RequirePinOpt = False,
+    offload: OffloadOpt = "auto",
+    gpus: GpusOpt = 0,
+    torchrun_args: TorchrunOpt = "",
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> RunRecord:
@@ -38,9 +52,11 @@ def run_cmd(
     from ..runner import check_out, report_dir_for, run
     from . import STATE
 
+    check_offload(offload)
     logfile = report_dir_for(check_out(out)) / "run.log"
     log.info(f"qship run {model} → {out}  (library output: {logfile})", style="bold")
     with log.third_party_to(logfile, verbose=STATE.verbose):
         return run(model, recipe, out, cache_dir=cache_root(cache_dir), publish_to=publish_to,
                    sign_key=sign_key, device=device, allow_pickle=allow_pickle,
-                   require_pin=require_pin)  # fmt: skip
+                   require_pin=require_pin, offload=offload, gpus=gpus,
+                   torchrun_args=tuple(shlex.split(torchrun_args)))  # fmt: skip

@@ -81,11 +81,15 @@ def evaluate(
     attention: str = "vllm",
     measured_path: Path | None = None,
     measured_topk: int = 32,
+    offload: str = "none",
 ) -> EvalReport:
     """Compare candidate with reference on `heldout_ids` [sequences, seq_len].
     `attention`: the serving engine's attention numerics to simulate with an FP8 KV cache
     (numerics.py); `measured_path`: where to store the measured top-k log-probs for the
-    served check (served.py; cached mode only)."""
+    served check (served.py; cached mode only). `offload` cpu / disk: models that do not fit
+    the GPU are evaluated with their weights in host memory, onloaded module by module
+    (model/loading.py; disk is host memory here too: a packed checkpoint does not survive
+    accelerate's disk offload)."""
     device = device or default_device()
     if heldout_ids.ndim != 2 or heldout_ids.shape[1] < 2:
         raise UsageError(
@@ -97,7 +101,9 @@ def evaluate(
     timings: dict[str, float] = {}
 
     def load(p: Path) -> Any:
-        return load_model(p, device=device, dtype=dtype)
+        return load_model(
+            p, device=device, dtype=dtype, offload="none" if offload == "none" else "cpu"
+        )
 
     t_all = time.perf_counter()
     ref_entry = None

@@ -61,3 +61,10 @@ def free_gpu_bytes(device: str | None) -> int | None:
         return None
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     return int(free)
+
+
+def free_cpu_bytes() -> int:
+    """Host memory available to a new allocation (psutil's `available`)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)

@@ -21,25 +21,73 @@ def _require_checkpoint(path: Path) -> Path:
     return path
 
 
+OFFLOAD_MODES = ("none", "cpu", "disk")
+
+
 def load_model(
-    path: Path, *, device: str, dtype: str | None = None, linear_experts: bool = False
+    path: Path,
+    *,
+    device: str,
+    dtype: str | None = None,
+    linear_experts: bool = False,
+    offload: str = "none",
+    offload_dir: Path | None = None,
 ) -> Any:
-    """A causal LM in eval mode on `device`. dtype None: float32 on the CPU (16-bit GEMMs
-    are ~70x slower there, devices.py), the checkpoint's own dtype elsewhere. Compressed
-    checkpoints are decompressed by transformers (compressed-tensors), FP8 KV hooks on.
-    `linear_experts`: MoE experts as per-expert Linear modules (moe.py), to quantize them."""
+    """A causal LM in eval mode that computes on `device`. dtype None: float32 on the CPU
+    (16-bit GEMMs are ~70x slower there, devices.py), the checkpoint's own dtype elsewhere.
+    Compressed checkpoints are decompressed by transformers (compressed-tensors), FP8 KV
+    hooks on. `linear_experts`: MoE experts as per-expert Linear modules (moe.py), to
+    quantize them.
+
+    `offload`: where the weights live while the model computes on `device` -- "none" all on
+    `device`; "cpu" in host memory, "disk" memory-mapped safetensors under `offload_dir`,
+    each module's weights moved to `device` for its forward (compressed-tensors' offloading,
+    which llm-compressor's sequential pipeline onloads one decoder layer at a time). Under
+    torch.distributed rank 0 reads the weights and the other ranks share them."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = _require_checkpoint(path)
     if dtype is None and device_kind(device) == "cpu":
         dtype = "float32"
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=getattr(torch, dtype) if dtype else "auto"
-    )
+    torch_dtype = getattr(torch, dtype) if dtype else "auto"
+    if offload == "cpu" and device_kind(device) == "cpu" and not _distributed():
+        offload = "none"  # host memory is where the weights are anyway
+    if offload == "none" and not _distributed():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        if linear_experts:
+            linearize(model)
+        return model.to(device).eval()
+    if offload not in OFFLOAD_MODES:
+        raise UsageError(f"offload {offload!r} is not one of {', '.join(OFFLOAD_MODES)}",
+                         path="--offload", hint="use none, cpu or disk")  # fmt: skip
+    if offload == "disk" and offload_dir is None:
+        raise UsageError("offload to disk needs a folder", path="--offload",
+                         hint="pass offload_dir (qship uses a folder in the stage cache)")  # fmt: skip
+    import psutil
+    from compressed_tensors.offload import load_offloaded_model, set_onload_device
+
+    # the weights' home: the compute device itself ("none" under torch.distributed: every
+    # rank gets rank 0's copy), host memory, or safetensors files on disk
+    where: Any = {"none": device, "cpu": "cpu", "disk": {"": "disk"}}[offload]
+    kw: dict[str, Any] = {"device_map": where, "dtype": torch_dtype}
+    if offload != "none" or device_kind(device) == "cpu":
+        # compressed-tensors' own memory estimate asks for an accelerator
+        kw["max_memory"] = {"cpu": int(psutil.virtual_memory().available)}
+    if offload == "disk":
+        kw["offload_folder"] = str(offload_dir)
+    with load_offloaded_model():
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
     if linear_experts:
         linearize(model)
-    return model.to(device).eval()
+    set_onload_device(model, torch.device(device))
+    return model.eval()
+
+
+def _distributed() -> bool:
+    from compressed_tensors.distributed import is_distributed
+
+    return bool(is_distributed())
 
 
 def load_config(path: Path) -> Any:

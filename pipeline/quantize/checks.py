@@ -78,12 +78,20 @@ def check_expert_tokens(
         )
 
 
-def verify_reload(out_dir: Path, probe_ids: torch.Tensor, device: str = "cpu") -> int:
-    """Reload with transformers (on `device`) and check the logits are finite; returns the
-    number of probe tokens."""
+def verify_reload(
+    out_dir: Path,
+    probe_ids: torch.Tensor,
+    device: str = "cpu",
+    *,
+    offload: str = "none",
+) -> int:
+    """Reload with transformers (on `device`, weights where `offload` says) and check the
+    logits are finite; returns the number of probe tokens."""
     probe_ids = probe_ids.to(device)
     try:
-        m = load_model(out_dir, device=device)
+        # a packed checkpoint is a quarter of the dense size: host memory suffices (and
+        # accelerate's disk offload narrows packed int32 zero points to int8)
+        m = load_model(out_dir, device=device, offload="cpu" if offload == "disk" else offload)
     except Exception as e:  # noqa: BLE001
         raise StageError(
             f"transformers cannot reload the checkpoint: {e}", path=str(out_dir)

@@ -4,11 +4,17 @@ One calibration pass through llm-compressor's sequential pipeline at the recipe'
 size (`bare=True`: its own defaults instead -- independent pipeline, batch 1 -- for
 benchmarks). The output folder is built with io.atomic.atomic_dir: complete, checked
 (checks.py) and renamed, or absent.
+
+`offload` cpu / disk: the weights stay in host memory / on disk and the sequential pipeline
+onloads one decoder layer at a time (model/loading.py). Under torch.distributed (one
+process per GPU, distributed.py) every rank calibrates on its share of the samples and
+llm-compressor reduces the statistics across ranks; rank 0 alone writes and checks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 from pathlib import Path
@@ -26,15 +32,18 @@ from ..model.loading import load_model
 from ..recipe import Recipe
 from ..records.checkpoint import (
     CheckpointSummary,
+    LayerTime,
     PostSaveChecks,
     QuantizedCheckpoint,
     QuantizeTimings,
 )
+from ..records.plan import Plan
+from . import ranks
 from .checks import check_expert_tokens, check_saved, verify_reload
 from .memory import PhasePeaks, release_llmcompressor_session
 from .metrics import capture_metrics
 from .modifiers import build_modifiers
-from .patches import awq_lean_grid_search, cpu_pin_memory_fix, library_logs_to_stderr
+from .patches import awq_lean_grid_search, library_logs_to_stderr, without_accelerator
 from .plan import build_plan
 
 
@@ -46,8 +55,10 @@ def quantize(
     tokens: TokenSets,
     device: str | None = None,
     bare: bool = False,
-) -> QuantizedCheckpoint:
-    """Quantize `model_dir` by `recipe` into `out_dir` (complete or absent)."""
+    offload: str = "none",
+) -> QuantizedCheckpoint | None:
+    """Quantize `model_dir` by `recipe` into `out_dir` (complete or absent). Under
+    torch.distributed only rank 0 returns the record (the other ranks None)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists():
         raise UsageError(
@@ -57,8 +68,14 @@ def quantize(
         )
     device = device or default_device()
     peaks = PhasePeaks(device)
-    with library_logs_to_stderr():
-        return _quantize(model_dir, recipe, out_dir, tokens, device, bare, peaks)
+    # disk offload: the weights' files beside the output, gone with it on any exit
+    spill = out_dir.with_name(f".{out_dir.name}.offload-{os.getpid()}")
+    try:
+        with library_logs_to_stderr():
+            return _quantize(model_dir, recipe, out_dir, tokens, device, bare, peaks,
+                             offload, spill)  # fmt: skip
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
 
 
 def _oneshot_kwargs(recipe: Recipe, tokens: TokenSets, bare: bool) -> dict[str, Any]:
@@ -86,6 +103,13 @@ def _oneshot_kwargs(recipe: Recipe, tokens: TokenSets, bare: bool) -> dict[str, 
     return kwargs
 
 
+def _layer_at(plan: Plan, done: list[LayerTime]) -> str:
+    finished = {d.layer for d in done}
+    todo = [d for d in plan.decoder_layers if d not in finished]
+    where = f" in {todo[0]}" if todo else ""
+    return where + (f" (rank {ranks.rank()})" if ranks.world_size() > 1 else "")
+
+
 def _quantize(
     model_dir: Path,
     recipe: Recipe,
@@ -94,14 +118,19 @@ def _quantize(
     device: str,
     bare: bool,
     peaks: PhasePeaks,
-) -> QuantizedCheckpoint:
+    offload: str,
+    spill: Path,
+) -> QuantizedCheckpoint | None:
     from llmcompressor import oneshot
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
-    model = load_model(
-        model_dir, device=device, dtype=compute_dtype(recipe.dtype, device), linear_experts=True
-    )
+    # a disk-offloaded weight is read back in its file's dtype, so with --offload disk the
+    # math runs in the recipe's dtype on the CPU too (slow there, but the weights and the
+    # checkpoint agree); host memory is where a CPU run's weights are anyway
+    dtype = recipe.dtype if offload == "disk" else compute_dtype(recipe.dtype, device)
+    model = load_model(model_dir, device=device, dtype=dtype, linear_experts=True,
+                       offload=offload, offload_dir=spill)  # fmt: skip
     plan = build_plan(model, recipe)
     modifiers = build_modifiers(plan, recipe)
     kwargs = _oneshot_kwargs(recipe, tokens, bare)
@@ -116,18 +145,33 @@ def _quantize(
 
     t1 = time.perf_counter()
     lean = contextlib.nullcontext() if bare else awq_lean_grid_search()
-    with cpu_pin_memory_fix() as pin_patched, lean, capture_metrics(model, plan) as got:
+    with (
+        without_accelerator() as pin_patched,
+        lean,
+        capture_metrics(model, plan, on_layer=ranks.layer_done) as got,
+    ):
         try:
             model = oneshot(**kwargs) or model
         except Exception as e:
+            at = _layer_at(plan, got.layers)
             raise StageError(
-                f"llm-compressor oneshot failed: {type(e).__name__}: {e}", path=str(model_dir)
+                f"llm-compressor oneshot failed{at}: {type(e).__name__}: {e}",
+                path=str(model_dir),
+                hint="a CUDA out-of-memory error: pass --offload cpu (one decoder layer on "
+                "the GPU at a time) or lower calibration.batch_size"
+                if "out of memory" in str(e).lower()
+                else None,
             ) from e
     t_oneshot = time.perf_counter() - t1
     peaks.end_phase("oneshot")
     check_expert_tokens(got.expert_tokens, plan, recipe, model_dir)
     log.detail(f"oneshot done in {t_oneshot:.1f} s; saving compressed")
 
+    if not ranks.is_writer():  # compressing is collective; rank 0 alone writes the files
+        model.to(DTYPES[recipe.dtype].torch())
+        model.save_pretrained(spill / "not-written", save_compressed=True)
+        ranks.gather_peaks(peaks.result())
+        return None
     with atomic_dir(out_dir) as tmp:
         t2 = time.perf_counter()
         model.to(DTYPES[recipe.dtype].torch())  # computed in float32 on the CPU (devices.py)
@@ -148,9 +192,11 @@ def _quantize(
         kwargs.clear()
         release_llmcompressor_session()
         peaks.free()
+        rank_peaks = ranks.gather_peaks(peaks.result())
         insp = check_saved(tmp, plan)
         probe = tokens.heldout_ids[:1, : min(64, tokens.heldout_ids.shape[1])]
-        probe_tokens = verify_reload(tmp, probe, device)
+        with ranks.alone():
+            probe_tokens = verify_reload(tmp, probe, device, offload=offload)
         peaks.end_phase("verify")
         _, mhash = hash_model_dir(tmp)
         q = [m for m in plan.modules if m.scheme]
@@ -162,6 +208,8 @@ def _quantize(
             recipe_hash=recipe.hash(),
             device=device,
             mode="bare llm-compressor defaults" if bare else "qship (sequential pipeline, batched)",
+            offload=offload,
+            processes=ranks.world_size(),
             calibration=tokens.info,
             batch_size=1 if bare else recipe.calibration.batch_size,
             plan=plan,
@@ -189,6 +237,7 @@ def _quantize(
                 load_and_plan=t_load, oneshot=t_oneshot, save=t_save, total=seconds
             ),
             peak_memory=peaks.result(),
+            rank_peak_memory=rank_peaks,
             cpu_pin_memory_patch=pin_patched,
         )
         record.write(tmp)

@@ -9,6 +9,12 @@
     time      = layers · (a + b · layer params · N·S / 65,536) on a GPU,
                 layers · k · layer params · N·S on a CPU
 
+With --offload cpu|disk the weights stay off the GPU and one decoder layer (or the
+embeddings / lm_head) is there at a time: W above becomes 2·L, L the largest such unit's
+bytes (it and its quantized copy), and the host holds W (cpu) or only L (disk). `auto`
+picks none when the GPU peak fits free GPU memory, else cpu when W + R fits free host
+memory, else disk.
+
 W dense bytes, Q checkpoint bytes, N×S calibration tokens, H hidden size, B batch. The
 constants are fitted to measured runs (bench/RESULTS.md "Resource estimate"): C = 0.3 GB
 (allocator and kernels), R = 2.0 GB (torch, transformers, datasets, the tokenizer), a =
@@ -38,7 +44,9 @@ def _text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-def estimate(plan: Plan, config: Any, recipe: Recipe, device: str) -> ResourceEstimate:
+def estimate(
+    plan: Plan, config: Any, recipe: Recipe, device: str, *, offload: str = "none"
+) -> ResourceEstimate:
     cfg = _text_config(config)
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
@@ -63,26 +71,50 @@ def estimate(plan: Plan, config: Any, recipe: Recipe, device: str) -> ResourceEs
     )
     w = plan.params.dense_bytes
     q = plan.expected_checkpoint_bytes
+    unit = int(max(layer_params, vocab * hidden) * 2)  # the largest part onloaded at once
     acts = 2 * tokens * hidden * 2
     gpu = device.startswith("cuda")
+    if not gpu:
+        offload = "disk" if offload == "disk" else "none"
+    resident = w if offload == "none" else 2 * unit
     if gpu:
-        oneshot = w + acts + hess + awq + C_GPU
-        q_gpu: int | None = int(max(oneshot, w + q + C_GPU))
+        oneshot = resident + acts + hess + awq + C_GPU
+        q_gpu: int | None = int(max(oneshot, resident + (q if offload == "none" else 0) + C_GPU))
         seconds = layers * (A_S + B_S * layer_params * tokens / TOKENS_REF)
-        cpu = w + R_CPU
+        cpu = (w if offload != "disk" else unit) + R_CPU
         # one model resident, a batch of fp32 logits and their float64 log-softmax (chunked)
         e_gpu: int | None = int(
-            w + ev.batch_size * ev.seq_len * vocab * 4 + 128 * vocab * 8 * 2 + C_GPU
+            resident + ev.batch_size * ev.seq_len * vocab * 4 + 128 * vocab * 8 * 2 + C_GPU
         )
     else:
         q_gpu = e_gpu = None
         seconds = layers * K_CPU * layer_params * tokens
-        cpu = 2 * w + R_CPU  # float32 on the CPU
+        cpu = (2 * w if offload == "none" else unit) + R_CPU  # float32 on the CPU
     reference = ev.sequences * (ev.seq_len - 1) * min(4096, vocab or 4096) * 8
-    disk = w + 2 * q + reference
-    return ResourceEstimate(device="cuda" if gpu else "cpu", quantize_gpu_bytes=q_gpu,
-                            quantize_cpu_bytes=int(cpu), quantize_s=round(seconds, 1),
-                            evaluate_gpu_bytes=e_gpu, disk_bytes=int(disk), basis=BASIS)  # fmt: skip
+    disk = w + 2 * q + reference + (w if offload == "disk" else 0)
+    return ResourceEstimate(device="cuda" if gpu else "cpu", offload=offload,
+                            quantize_gpu_bytes=q_gpu, quantize_cpu_bytes=int(cpu),
+                            quantize_s=round(seconds, 1), evaluate_gpu_bytes=e_gpu,
+                            disk_bytes=int(disk), basis=BASIS)  # fmt: skip
+
+
+def choose(
+    plan: Plan, config: Any, recipe: Recipe, device: str, *, offload: str,
+    free_gpu_bytes: int | None, free_cpu_bytes: int | None,
+) -> ResourceEstimate:  # fmt: skip
+    """The estimate for `offload`; for "auto" the first of none, cpu, disk that fits (none
+    on the CPU, or when nothing is known about free memory)."""
+    if offload != "auto":
+        return estimate(plan, config, recipe, device, offload=offload)
+    if free_gpu_bytes is None:
+        return estimate(plan, config, recipe, device)
+    for mode in ("none", "cpu"):
+        est = estimate(plan, config, recipe, device, offload=mode)
+        gpu_ok = (est.quantize_gpu_bytes or 0) <= free_gpu_bytes
+        if gpu_ok and (mode == "none" or free_cpu_bytes is None
+                       or est.quantize_cpu_bytes <= free_cpu_bytes):  # fmt: skip
+            return est
+    return estimate(plan, config, recipe, device, offload="disk")
 
 
 def require_fit(est: ResourceEstimate, *, free_gpu_bytes: int | None, recipe: Recipe) -> None:
@@ -92,11 +124,13 @@ def require_fit(est: ResourceEstimate, *, free_gpu_bytes: int | None, recipe: Re
     if need is None or free_gpu_bytes is None or need <= free_gpu_bytes:
         return
     cal = recipe.calibration
+    offload = ("--offload cpu (the weights in host memory, one decoder layer on the GPU at a "
+               "time), " if est.offload == "none" else "")  # fmt: skip
     raise UsageError(
-        f"quantize needs about {need / GB:.1f} GB of GPU memory (predicted) but "
-        f"{free_gpu_bytes / GB:.1f} GB are free",
+        f"quantize needs about {need / GB:.1f} GB of GPU memory (predicted, --offload "
+        f"{est.offload}) but {free_gpu_bytes / GB:.1f} GB are free",
         path=recipe.path,
-        hint="use a GPU with more free memory, quantize on the CPU (--device cpu), or shrink "
-        f"calibration (num_samples {cal.num_samples}, seq_len {cal.seq_len}, batch_size "
-        f"{cal.batch_size}); `qship plan --device cuda` prints the estimate",
+        hint=f"use {offload}a GPU with more free memory, quantize on the CPU (--device cpu), "
+        f"or shrink calibration (num_samples {cal.num_samples}, seq_len {cal.seq_len}, "
+        f"batch_size {cal.batch_size}); `qship plan --device cuda` prints the estimate",
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,9 @@ def _count_expert_tokens(model: Any, layers: list[str], got: Captured, done: set
 
 
 @contextlib.contextmanager
-def capture_metrics(model: Any, plan: Plan) -> Iterator[Captured]:
+def capture_metrics(
+    model: Any, plan: Plan, on_layer: Callable[[str], None] | None = None
+) -> Iterator[Captured]:
     from llmcompressor.core import LifecycleCallbacks
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from llmcompressor.utils.metric_logging import CompressionLogger
@@ -100,6 +102,8 @@ def capture_metrics(model: Any, plan: Plan) -> Iterator[Captured]:
         n = sum(1 for r in got.layers if r.layer in layers)
         log.detail(f"[{n}/{len(layers)} layers] {layer} done in {got.layers[-1].seconds:.2f} s")
         bar.update(n, layer)
+        if on_layer is not None:
+            on_layer(layer)
         return out
 
     with (

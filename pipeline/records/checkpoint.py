@@ -139,6 +139,10 @@ class QuantizedCheckpoint(Record):
     """The calibration and held-out token sets it was made with."""
     batch_size: int
     """Calibration batch size used."""
+    offload: str = "none"
+    """Where the weights lived during calibration: none (on the device), cpu, disk."""
+    processes: int = 1
+    """torch.distributed ranks that calibrated it (qship run --gpus N); 1: one process."""
     plan: Plan
     """The plan the saved checkpoint was checked against."""
     modifiers: list[str]
@@ -158,7 +162,9 @@ class QuantizedCheckpoint(Record):
     timings: QuantizeTimings
     """Seconds per phase."""
     peak_memory: PeakMemory
-    """Peak memory per phase."""
+    """Peak memory per phase (rank 0's)."""
+    rank_peak_memory: list[PeakMemory] = []
+    """Under torch.distributed: each rank's peak through calibration and save, by rank."""
     cpu_pin_memory_patch: bool = False
     """True when AWQ's activation pinning had to be disabled (no accelerator)."""
 

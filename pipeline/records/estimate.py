@@ -12,8 +12,10 @@ class ResourceEstimate(Record):
 
     device: str
     """cuda or cpu."""
+    offload: str = "none"
+    """Where the weights live while quantize runs: none (on the device), cpu, disk."""
     quantize_gpu_bytes: int | None
-    """Peak GPU memory of quantize (the whole model on the GPU), null on the CPU."""
+    """Peak GPU memory of quantize (with `offload`), null on the CPU."""
     quantize_cpu_bytes: int
     """Peak resident memory of the quantize process."""
     quantize_s: float
@@ -30,5 +32,6 @@ class ResourceEstimate(Record):
         gpu = (f"GPU {self.quantize_gpu_bytes / gb:.1f} GB quantize / "
                f"{(self.evaluate_gpu_bytes or 0) / gb:.1f} GB evaluate, "
                if self.quantize_gpu_bytes is not None else "")  # fmt: skip
-        return (f"  estimate on {self.device}: {gpu}CPU {self.quantize_cpu_bytes / gb:.1f} GB, "
+        off = f" (--offload {self.offload})" if self.offload != "none" else ""
+        return (f"  estimate on {self.device}{off}: {gpu}CPU {self.quantize_cpu_bytes / gb:.1f} GB, "
                 f"disk {self.disk_bytes / gb:.1f} GB, quantize ~{self.quantize_s / 60:.1f} min")  # fmt: skip
