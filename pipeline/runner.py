@@ -39,6 +39,7 @@ from .records.snapshot import Snapshot
 from .records.verdict import Verdict
 
 QUANT_MODEL = "model"  # the checkpoint's folder inside a quantize cache entry
+RESUME = "quantize-layers"  # <cache>/quantize-layers/<key>/: an unfinished run's layers
 MEASURED = "measured.safetensors"  # the served check's measured log-probs, in an evaluate entry
 # Recipe fields that change the quantized weights (gates and evaluation settings do not).
 _QUANT_FIELDS = ("dtype", "groups", "kv_cache", "calibration")
@@ -192,17 +193,21 @@ def quantize_stage(
 
     key = quantize_key(snapshot, recipe, tokens, ctx.device, ctx.gpus)
 
+    # finished decoder layers survive a kill here (resume.py), until the entry is complete
+    resume_dir = ctx.cache_dir / RESUME / key
+
     def build(tmp: Path) -> dict[str, Any]:
         out = tmp / QUANT_MODEL
         if ctx.gpus:
             qc = launch(snapshot.path, recipe, out, cache_dir=ctx.cache_dir, gpus=ctx.gpus,
                         device=ctx.device or default_device(), offload=ctx.offload,
-                        torchrun_args=ctx.torchrun_args, layers=layers)  # fmt: skip
+                        torchrun_args=ctx.torchrun_args, layers=layers,
+                        resume_dir=resume_dir)  # fmt: skip
             if qc is None:
                 raise NotOnRankZero()
         else:
             qc = quantize(snapshot.path, recipe, out, tokens=tokens, device=ctx.device,
-                          offload=ctx.offload)  # fmt: skip
+                          offload=ctx.offload, resume_dir=resume_dir)  # fmt: skip
         assert qc is not None
         return qc.model_copy(update={"path": Path(QUANT_MODEL)}).to_json()
 

@@ -51,11 +51,15 @@ def _kl(model_dir: Path, reference: Path, ids: torch.Tensor) -> tuple[float, tor
     return float(kl.mean()), kl
 
 
-def _same_quality(a: Path, b: Path, reference: Path, ids: torch.Tensor) -> tuple[float, float]:
+def _same_quality(
+    a: Path, b: Path, reference: Path, ids: torch.Tensor, *, rel: float = 0.0
+) -> tuple[float, float]:
+    """Mean KL of b within 3 standard errors of a's (paired: the same tokens), or within
+    `rel` of it where the two runs compute in different dtypes."""
     ka, va = _kl(a, reference, ids)
     kb, vb = _kl(b, reference, ids)
-    se = float((va - vb).std() / len(va) ** 0.5)  # paired: the same tokens
-    assert abs(ka - kb) < 3 * se + 1e-4, (ka, kb, se)
+    se = float((va - vb).std() / len(va) ** 0.5)
+    assert abs(ka - kb) < max(3 * se, rel * ka) + 1e-4, (ka, kb, se)
     return ka, kb
 
 
@@ -75,38 +79,69 @@ def test_two_processes_match_one(setup, tiny_llama):
 
 def test_disk_offload_matches(setup, tiny_llama):
     """--offload disk: the weights in memory-mapped files beside the output (gone after),
-    the same quality as with the weights in memory."""
+    the quality of the weights-in-memory run. On the CPU that run computes in float32 and
+    the disk run in the files' bfloat16 (engine.py), so the two round differently: measured
+    2-6 % apart in mean KL; held to 10 %. The plan is the same (tied embeddings recognised:
+    an onloaded copy per access used to break parameter identity)."""
     work, r, tokens, plain = setup
     qc = quantize(tiny_llama, r, work / "disk", tokens=tokens, device="cpu", offload="disk")
     assert qc is not None and qc.offload == "disk"
-    _same_quality(plain.path, qc.path, tiny_llama, tokens.heldout_ids.long())
+    assert qc.plan.to_json() == plain.plan.to_json()
+    _same_quality(plain.path, qc.path, tiny_llama, tokens.heldout_ids.long(), rel=0.10)
     assert not list(work.glob(".disk.offload-*"))
 
 
-def test_killed_rank_is_named_and_leaves_nothing(setup, tiny_llama, tmp_path, monkeypatch):
-    """Rank 1 killed (SIGKILL) once layer 1 is done: torchrun stops rank 0, the error names
-    rank 1 and its last finished layer, and no output folder exists."""
+def test_plan_of_an_offloaded_model(tiny_gemma, tmp_path):
+    """Gemma ties lm_head to the embeddings: on an offloaded model every parameter access
+    is a new tensor, so the plan is built on the weights in place (weights_in_place); else
+    the tied lm_head was counted twice (2.5 MB expected instead of 0.83 MB)."""
+    from pipeline.model.loading import weights_in_place
+    from pipeline.quantize.plan import build_plan
+
+    r = load_recipe(ROOT / "recipes" / "gemma-mixed-w4.yaml")
+    plain = build_plan(load_model(tiny_gemma, device="cpu"), r)
+    m = load_model(tiny_gemma, device="cpu", offload="disk", offload_dir=tmp_path / "w")
+    with weights_in_place(m):
+        assert build_plan(m, r) == plain
+
+
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_failed_rank_is_named_and_leaves_nothing(setup, tiny_llama, tmp_path, monkeypatch, fault):
+    """Rank 1 killed (SIGKILL) or raising once layer 1 is done: torchrun stops rank 0
+    (which may first report only that its peer went away), the error names rank 1, its
+    last finished layer and its own error, and no output folder exists. After the kill a
+    rerun resumes from the layers rank 0 finished (resume.py) and gives the same quality."""
     work, r, _tokens, _plain = setup
     hook = tmp_path / "hook"
     hook.mkdir()
+    act = f"os.kill(os.getpid(), {int(signal.SIGKILL)})" if fault == "kill" else (
+        "raise RuntimeError('injected fault')")  # fmt: skip
     (hook / "sitecustomize.py").write_text(textwrap.dedent(f"""
-        import os, signal
+        import os
         if os.environ.get("RANK") == "1":
             import pipeline.quantize.ranks as ranks
             done = ranks.layer_done
             def layer_done(layer):
                 done(layer)
                 if layer == "model.layers.1":
-                    os.kill(os.getpid(), {int(signal.SIGKILL)})
+                    {act}
             ranks.layer_done = layer_done
     """))  # fmt: skip
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), str(ROOT)]))
-    out = tmp_path / "killed"
+    out, layers = tmp_path / "failed", tmp_path / "layers"
     with pytest.raises(StageError) as e:
-        launch(tiny_llama, r, out, cache_dir=work / "cache", gpus=2, device="cpu", layers=4)
+        launch(tiny_llama, r, out, cache_dir=work / "cache", gpus=2, device="cpu", layers=4,
+               resume_dir=layers)  # fmt: skip
     msg = str(e.value)
-    assert "rank 1 of 2 was killed by signal 9" in msg and "after model.layers.1" in msg, msg
-    assert not out.exists() and list(tmp_path.iterdir()) == [hook]
+    assert "rank 1 of 2" in msg and "after model.layers.1" in msg, msg
+    assert ("killed by signal 9" if fault == "kill" else "injected fault") in msg, msg
+    assert not out.exists() and set(tmp_path.iterdir()) == {hook, layers}
+    if fault == "kill":
+        monkeypatch.setenv("PYTHONPATH", str(ROOT))
+        qc = launch(tiny_llama, r, out, cache_dir=work / "cache", gpus=2, device="cpu",
+                    layers=4, resume_dir=layers)  # fmt: skip
+        assert qc is not None and qc.resumed_layers >= 1 and not layers.exists()
+        _same_quality(_plain.path, qc.path, tiny_llama, _tokens.heldout_ids.long())
 
 
 def test_offload_choice_follows_free_memory(capsys, tmp_path, monkeypatch):
@@ -147,3 +182,68 @@ def test_offload_choice_follows_free_memory(capsys, tmp_path, monkeypatch):
     rc, err = qship(capsys, "run", "--model", str(model), "--recipe", recipe, "--out",
                     str(tmp_path / "art2"), "--offload", "ram", "--cache-dir", str(tmp_path))  # fmt: skip
     assert rc == 2 and err["path"] == "--offload"
+
+
+RUN = """
+import sys, torch
+from pathlib import Path
+from transformers import AutoTokenizer
+from pipeline.data.tokens import build_token_sets
+from pipeline.quantize import quantize
+from pipeline.recipe import load_recipe
+torch.set_num_threads(1)
+model, recipe, out, cache, layers = map(Path, sys.argv[1:6])
+r = load_recipe(recipe)
+tokens = build_token_sets(AutoTokenizer.from_pretrained(model), r.calibration, r.evaluation,
+                          cache_dir=cache)
+quantize(model, r, out, tokens=tokens, device="cpu", resume_dir=layers)
+"""
+
+
+def test_resume_after_a_kill(setup, tiny_llama, tmp_path):
+    """A run killed (SIGKILL) once decoder layer 1 is done keeps layers 0 and 1; the rerun
+    loads them, runs them forward to rebuild layer 2's inputs, calibrates 2 and 3, and
+    writes the checkpoint an uninterrupted run writes, bit for bit (one CPU process is
+    deterministic); the record says 2 layers were resumed, with their measurements, and
+    the layers' folder is gone once the checkpoint is complete."""
+    import subprocess
+    import sys
+
+    from pipeline.records.checkpoint import QuantizedCheckpoint
+
+    work, r, _tokens, _plain = setup
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(r.to_yaml())
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import os
+        if os.environ.get("QSHIP_TEST_KILL_AFTER"):
+            import pipeline.quantize.ranks as ranks
+            def layer_done(layer):
+                if layer == os.environ["QSHIP_TEST_KILL_AFTER"]:
+                    os.kill(os.getpid(), {int(signal.SIGKILL)})
+            ranks.layer_done = layer_done
+    """))  # fmt: skip
+
+    def run(out: str, layers: str, kill: str = "") -> int:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)]),
+               "QSHIP_TEST_KILL_AFTER": kill}  # fmt: skip
+        args = [str(tiny_llama), str(recipe), str(tmp_path / out), str(work / "cache"),
+                str(tmp_path / layers)]  # fmt: skip
+        return subprocess.run([sys.executable, "-c", RUN, *args], env=env).returncode
+
+    assert run("whole", "layers-whole") == 0
+    assert run("resumed", "layers", kill="model.layers.1") == -signal.SIGKILL
+    assert not (tmp_path / "resumed").exists()
+    assert sorted(p.name for p in (tmp_path / "layers").glob("*.json")) == [
+        "0000.json", "0001.json", "manifest.json"]  # fmt: skip
+    assert run("resumed", "layers") == 0
+    whole = QuantizedCheckpoint.read(tmp_path / "whole")
+    resumed = QuantizedCheckpoint.read(tmp_path / "resumed")
+    assert whole is not None and resumed is not None
+    assert resumed.resumed_layers == 2 and whole.resumed_layers == 0
+    assert resumed.model_hash == whole.model_hash  # the same bytes in every file
+    assert resumed.gptq == whole.gptq
+    assert sorted(a.smooth or "" for a in resumed.awq) == sorted(a.smooth or "" for a in whole.awq)
+    assert not (tmp_path / "layers").exists() and not (tmp_path / "layers-whole").exists()

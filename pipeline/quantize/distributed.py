@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +50,7 @@ def launch(
     offload: str = "none",
     torchrun_args: Sequence[str] = (),
     layers: int = 0,
+    resume_dir: Path | None = None,
 ) -> QuantizedCheckpoint | None:
     """Quantize under torchrun; the record when this node holds rank 0 (else None). A
     failed rank raises with its rank, its last finished layer and its error; no output is
@@ -62,7 +64,8 @@ def launch(
         (work / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
         spec = {"model_dir": str(model_dir), "recipe": str(work / "recipe.yaml"),
                 "recipe_path": recipe.path, "out_dir": str(out_dir), "cache_dir": str(cache_dir),
-                "device": device, "offload": offload}  # fmt: skip
+                "device": device, "offload": offload,
+                "resume_dir": str(resume_dir) if resume_dir else None}  # fmt: skip
         (work / SPEC).write_text(json.dumps(spec), encoding="utf-8")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus)]
         if not any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in torchrun_args):
@@ -101,27 +104,42 @@ def _run(cmd: list[str], work: Path, layers: int) -> tuple[int, str]:
     return proc.returncode, output
 
 
+# a rank's error that only says another rank went away
+_LOST_PEER = re.compile(
+    r"closed by peer|Connection reset|Broken pipe|remote worker|NCCL.*(abort|remote)|timed? ?out",
+    re.I,
+)
+
+
 def _failure(rc: int, output: str, work: Path, gpus: int) -> errors.QshipError:
-    """The first failed rank's error, re-raised with its own exit code, naming the rank and
-    its last finished decoder layer; torchrun's own report when the rank left none (killed)."""
-    reported = sorted(work.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
-    if reported:  # the first to fail; the others may only have lost their peer
-        err = json.loads(reported[0].read_text())
-        r = int(err["rank"])
+    """The failure at the origin, re-raised with its own exit code, naming the rank and its
+    last finished decoder layer: a rank killed by a signal (out of memory, a lost node),
+    else the first error that is not merely a lost peer, else torchrun's own report."""
+    died = [(int(r), int(c)) for r, c in
+            re.findall(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", output, re.S)]  # fmt: skip
+    reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in work.glob("rank*.error")}
+    for r, code in died:  # torchrun stops the others with SIGTERM
+        if code < 0 and -code != signal.SIGTERM and r not in reports:
+            return StageError(
+                f"rank {r} of {gpus} was killed by signal {-code}{_after(work, r)}; torchrun "
+                "stopped the other ranks",
+                hint="out of host memory kills a rank: use --offload disk or fewer --gpus per "
+                "host; rerun after fixing (finished stages are cached)",
+            )
+    if reports:
+        order = sorted(reports, key=lambda r: (bool(_LOST_PEER.search(reports[r]["message"])),
+                                               (work / f"rank{r}.error").stat().st_mtime))  # fmt: skip
+        r = order[0]
+        err = reports[r]
         cls = getattr(errors, err["error"], StageError)
         if not (isinstance(cls, type) and issubclass(cls, errors.QshipError)):
             cls = StageError
         return cls(f"rank {r} of {gpus}{_after(work, r)}: {err['message']}",
                    path=err.get("path"), hint=err.get("hint"))  # fmt: skip
-    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", output, re.S)
-    if m:
-        r, code = int(m.group(1)), int(m.group(2))
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
-        return StageError(
-            f"rank {r} of {gpus} {how}{_after(work, r)}; torchrun stopped the other ranks",
-            hint="out of host memory kills a rank: use --offload disk or fewer --gpus per "
-            "host; rerun after fixing (finished stages are cached)",
-        )
+    if died:
+        r, code = died[-1]  # torchrun lists the root cause last
+        return StageError(f"rank {r} of {gpus} exited with {code}{_after(work, r)}",
+                          hint="see the run log for torchrun's output")  # fmt: skip
     return StageError(f"torchrun exited with {rc}: {output.strip()[-800:]}",
                       hint="see the run log for torchrun's output")  # fmt: skip
 
@@ -164,7 +182,8 @@ def main(spec_path: str) -> int:
         tokens = build_token_sets(tok, recipe.calibration, recipe.evaluation,
                                   cache_dir=Path(spec["cache_dir"]))  # fmt: skip
         quantize(Path(spec["model_dir"]), recipe, Path(spec["out_dir"]), tokens=tokens,
-                 device=device, offload=spec["offload"])  # fmt: skip
+                 device=device, offload=spec["offload"],
+                 resume_dir=Path(spec["resume_dir"]) if spec["resume_dir"] else None)  # fmt: skip
         dist.destroy_process_group()
     except BaseException as e:
         r = int(os.environ.get("RANK", "0"))

@@ -28,7 +28,7 @@ from ..errors import StageError, UsageError
 from ..io.atomic import atomic_dir
 from ..model.devices import DTYPES, compute_dtype, default_device
 from ..model.files import CONFIG_FILES, TOKENIZER_FILES, hash_model_dir
-from ..model.loading import load_model
+from ..model.loading import load_model, weights_in_place
 from ..recipe import Recipe
 from ..records.checkpoint import (
     CheckpointSummary,
@@ -45,6 +45,7 @@ from .metrics import capture_metrics
 from .modifiers import build_modifiers
 from .patches import awq_lean_grid_search, library_logs_to_stderr, without_accelerator
 from .plan import build_plan
+from .resume import LayerStore, restoring
 
 
 def quantize(
@@ -56,9 +57,11 @@ def quantize(
     device: str | None = None,
     bare: bool = False,
     offload: str = "none",
+    resume_dir: Path | None = None,
 ) -> QuantizedCheckpoint | None:
     """Quantize `model_dir` by `recipe` into `out_dir` (complete or absent). Under
-    torch.distributed only rank 0 returns the record (the other ranks None)."""
+    torch.distributed only rank 0 returns the record (the other ranks None). `resume_dir`:
+    where finished decoder layers are kept for a rerun after a kill (resume.py)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists():
         raise UsageError(
@@ -73,7 +76,7 @@ def quantize(
     try:
         with library_logs_to_stderr():
             return _quantize(model_dir, recipe, out_dir, tokens, device, bare, peaks,
-                             offload, spill)  # fmt: skip
+                             offload, spill, resume_dir)  # fmt: skip
     finally:
         shutil.rmtree(spill, ignore_errors=True)
 
@@ -120,6 +123,7 @@ def _quantize(
     peaks: PhasePeaks,
     offload: str,
     spill: Path,
+    resume_dir: Path | None,
 ) -> QuantizedCheckpoint | None:
     from llmcompressor import oneshot
     from transformers import AutoTokenizer
@@ -131,7 +135,8 @@ def _quantize(
     dtype = recipe.dtype if offload == "disk" else compute_dtype(recipe.dtype, device)
     model = load_model(model_dir, device=device, dtype=dtype, linear_experts=True,
                        offload=offload, offload_dir=spill)  # fmt: skip
-    plan = build_plan(model, recipe)
+    with weights_in_place(model):  # shapes and identities, not an onload of every weight
+        plan = build_plan(model, recipe)
     modifiers = build_modifiers(plan, recipe)
     kwargs = _oneshot_kwargs(recipe, tokens, bare)
     kwargs.update(model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), recipe=modifiers)
@@ -145,10 +150,12 @@ def _quantize(
 
     t1 = time.perf_counter()
     lean = contextlib.nullcontext() if bare else awq_lean_grid_search()
+    store = LayerStore(resume_dir, plan)
     with (
         without_accelerator() as pin_patched,
         lean,
-        capture_metrics(model, plan, on_layer=ranks.layer_done) as got,
+        capture_metrics(model, plan, on_layer=ranks.layer_done, store=store) as got,
+        restoring(model, store),
     ):
         try:
             model = oneshot(**kwargs) or model
@@ -209,6 +216,7 @@ def _quantize(
             device=device,
             mode="bare llm-compressor defaults" if bare else "qship (sequential pipeline, batched)",
             offload=offload,
+            resumed_layers=len(store.restored),
             processes=ranks.world_size(),
             calibration=tokens.info,
             batch_size=1 if bare else recipe.calibration.batch_size,
@@ -244,5 +252,6 @@ def _quantize(
         tmp.chmod(0o755)
         for p in tmp.iterdir():
             p.chmod(0o644)
+    store.clear()  # the checkpoint is complete: its layers are not needed again
     log.detail(f"wrote {out_dir} ({insp.bytes / 1e6:.2f} MB) in {seconds:.1f} s")
     return record.model_copy(update={"path": out_dir})

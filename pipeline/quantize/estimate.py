@@ -11,15 +11,19 @@
 
 With --offload cpu|disk the weights stay off the GPU and one decoder layer (or the
 embeddings / lm_head) is there at a time: W above becomes 2·L, L the largest such unit's
-bytes (it and its quantized copy), and the host holds W (cpu) or only L (disk). `auto`
-picks none when the GPU peak fits free GPU memory, else cpu when W + R fits free host
-memory, else disk.
+bytes (it and its quantized copy); each layer's weights cross to the GPU and back, + T
+seconds per byte of layer (time); the host holds 2·W + 2·Q + R with cpu (the calibrated
+model is still there while the reload check decompresses the saved one, and the save
+materialises the compressed shard: 41.8 GB measured on the 8B) or only L + R with disk.
+`auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
+fits free host memory, else disk.
 
 W dense bytes, Q checkpoint bytes, N×S calibration tokens, H hidden size, B batch. The
 constants are fitted to measured runs (bench/RESULTS.md "Resource estimate"): C = 0.3 GB
 (allocator and kernels), R = 2.0 GB (torch, transformers, datasets, the tokenizer), a =
 0.425 s and b = 8.14e-9 s per parameter at 65,536 tokens (H200: Gemma 3 270M and an
-8B-dims Llama), k = 2.2e-10 s per parameter-token (2-core CPU: Gemma 3 270M).
+8B-dims Llama), k = 2.2e-10 s per parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9
+s per byte (H200 host link, page-locked host copies: 8B dims, --offload cpu vs none).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ C_GPU = 0.3 * GB
 R_CPU = 2.0 * GB
 A_S, B_S, TOKENS_REF = 0.425, 8.14e-9, 65_536
 K_CPU = 2.2e-10
+T_OFFLOAD = 0.7e-9
 BASIS = ("fitted on Gemma 3 270M (H200, 2-core CPU) and an 8B-dims Llama (H200), "
          "bench/RESULTS.md")  # fmt: skip
 
@@ -81,7 +86,9 @@ def estimate(
         oneshot = resident + acts + hess + awq + C_GPU
         q_gpu: int | None = int(max(oneshot, resident + (q if offload == "none" else 0) + C_GPU))
         seconds = layers * (A_S + B_S * layer_params * tokens / TOKENS_REF)
-        cpu = (w if offload != "disk" else unit) + R_CPU
+        if offload != "none":
+            seconds += layers * T_OFFLOAD * layer_params * 2
+        cpu = {"none": w, "cpu": 2 * w + 2 * q, "disk": unit}[offload] + R_CPU
         # one model resident, a batch of fp32 logits and their float64 log-softmax (chunked)
         e_gpu: int | None = int(
             resident + ev.batch_size * ev.seq_len * vocab * 4 + 128 * vocab * 8 * 2 + C_GPU

@@ -16,6 +16,7 @@ from .. import log
 from ..records.checkpoint import AwqMappingResult, LayerTime
 from ..records.plan import Plan
 from .patches import patched
+from .resume import LayerStore
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Captured:
 
 
 def _count_expert_tokens(model: Any, layers: list[str], got: Captured, done: set[str]) -> list[Any]:
+    """Count calibration tokens per expert (layers in `done` -- finished or loaded -- not)."""
     from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 
     hooks = []
@@ -48,10 +50,41 @@ def _count_expert_tokens(model: Any, layers: list[str], got: Captured, done: set
     return hooks
 
 
+def _awq_result(m: dict[str, Any]) -> AwqMappingResult:
+    return AwqMappingResult(
+        smooth=m.get("layer_name"),
+        parent=m.get("parent_name"),
+        initial_error=float(m.get("initial_error", 0.0)),
+        best_error=float(m.get("best_error", 0.0)),
+        loss_reduction=1.0 - float(m.get("reduction", 1.0)),
+    )
+
+
+def _of_layer(layer: str, got: Captured) -> dict[str, Any]:
+    """What was measured on one decoder layer (stored with it for a resumed run). AWQ logs
+    its results only when it finishes: they are read from the modifier as they are now."""
+    from llmcompressor.core import active_session
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    p = layer + "."
+    awq = [_awq_result(m) for mod in active_session().lifecycle.recipe.modifiers
+           if isinstance(mod, AWQModifier) for m in mod._error_metrics]  # fmt: skip
+    return {
+        "gptq": {k: v for k, v in got.gptq.items() if k.startswith(p)},
+        "awq": [a.to_json() for a in awq if (a.smooth or "").startswith(p)],
+        "expert_tokens": {k: v for k, v in got.expert_tokens.items() if k.startswith(p)},
+    }
+
+
 @contextlib.contextmanager
 def capture_metrics(
-    model: Any, plan: Plan, on_layer: Callable[[str], None] | None = None
+    model: Any,
+    plan: Plan,
+    on_layer: Callable[[str], None] | None = None,
+    store: LayerStore | None = None,
 ) -> Iterator[Captured]:
+    """`store`: each finished layer is saved there; a layer it restored is not calibrated
+    (its epoch end is skipped) and keeps what was measured when it was."""
     from llmcompressor.core import LifecycleCallbacks
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from llmcompressor.utils.metric_logging import CompressionLogger
@@ -59,7 +92,8 @@ def capture_metrics(
     names = {id(m): n for n, m in model.named_modules()}
     layers = set(plan.decoder_layers)
     got = Captured()
-    done: set[str] = set()  # decoder layers whose calibration pass is over
+    # decoder layers whose calibration pass is over, or which are loaded, not calibrated
+    done: set[str] = {d for d in plan.decoder_layers if store and store.is_restorable(d)}
     counters = _count_expert_tokens(model, plan.decoder_layers, got, done)
     t_last = [time.perf_counter()]
     bar = log.Progress("calibrate", len(plan.decoder_layers), unit="layers")
@@ -74,24 +108,25 @@ def capture_metrics(
     orig_log = AWQModifier._log_error_metrics
 
     def log_error_metrics(self):
-        for m in self._error_metrics:
-            got.awq.append(
-                AwqMappingResult(
-                    smooth=m.get("layer_name"),
-                    parent=m.get("parent_name"),
-                    initial_error=float(m.get("initial_error", 0.0)),
-                    best_error=float(m.get("best_error", 0.0)),
-                    loss_reduction=1.0 - float(m.get("reduction", 1.0)),
-                )
-            )
+        got.awq.extend(_awq_result(m) for m in self._error_metrics)
         return orig_log(self)
 
     orig_epoch = LifecycleCallbacks.__dict__["sequential_epoch_end"]
 
     def epoch_end(cls, modules, **kwargs):
-        out = orig_epoch.__func__(cls, modules, **kwargs)
-        now = time.perf_counter()
+        modules = list(modules)
         layer = next((names.get(id(m)) for m in modules if names.get(id(m)) in layers), None)
+        out = None
+        if layer is not None and store is not None and layer in store.restored:
+            m = store.measured[layer]  # loaded, not calibrated: no event for the modifiers
+            got.gptq.update(m["gptq"])
+            got.awq.extend(AwqMappingResult.model_validate(a) for a in m["awq"])
+            got.expert_tokens.update(m["expert_tokens"])
+        else:
+            out = orig_epoch.__func__(cls, modules, **kwargs)
+            if layer is not None and store is not None:
+                store.save(layer, model.get_submodule(layer), _of_layer(layer, got))
+        now = time.perf_counter()
         layer = layer or f"subgraph {len(got.layers) + 1} (no decoder layer)"
         done.add(layer)
         cuda = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None

@@ -143,6 +143,8 @@ class QuantizedCheckpoint(Record):
     """Where the weights lived during calibration: none (on the device), cpu, disk."""
     processes: int = 1
     """torch.distributed ranks that calibrated it (qship run --gpus N); 1: one process."""
+    resumed_layers: int = 0
+    """Decoder layers loaded from an interrupted run of the same inputs, not calibrated again."""
     plan: Plan
     """The plan the saved checkpoint was checked against."""
     modifiers: list[str]
