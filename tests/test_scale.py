@@ -247,3 +247,16 @@ def test_resume_after_a_kill(setup, tiny_llama, tmp_path):
     assert resumed.gptq == whole.gptq
     assert sorted(a.smooth or "" for a in resumed.awq) == sorted(a.smooth or "" for a in whole.awq)
     assert not (tmp_path / "layers").exists() and not (tmp_path / "layers-whole").exists()
+
+
+def test_moe_expert_tokens_are_totals_over_ranks(setup, tiny_moe, tmp_path):
+    """Each rank calibrates its half of the samples; the per-expert token counts that
+    `calibration.min_expert_tokens` is checked against are summed over the ranks, so 2
+    ranks count what 1 process counts (every expert sees every token: all_experts)."""
+    work, r, _tokens, _plain = setup
+    tokens = build_token_sets(AutoTokenizer.from_pretrained(tiny_moe), r.calibration,
+                              r.evaluation, cache_dir=work / "cache")  # fmt: skip
+    one = quantize(tiny_moe, r, tmp_path / "one", tokens=tokens, device="cpu")
+    two = launch(tiny_moe, r, tmp_path / "two", cache_dir=work / "cache", gpus=2, device="cpu")
+    assert one is not None and two is not None and two.processes == 2
+    assert two.expert_tokens == one.expert_tokens and min(one.expert_tokens.values()) > 0

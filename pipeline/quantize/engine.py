@@ -171,6 +171,7 @@ def _quantize(
             ) from e
     t_oneshot = time.perf_counter() - t1
     peaks.end_phase("oneshot")
+    got.expert_tokens = ranks.summed(got.expert_tokens)  # each rank saw its share
     check_expert_tokens(got.expert_tokens, plan, recipe, model_dir)
     log.detail(f"oneshot done in {t_oneshot:.1f} s; saving compressed")
 

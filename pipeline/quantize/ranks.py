@@ -44,6 +44,20 @@ def gather_peaks(mine: PeakMemory) -> list[PeakMemory]:
     return [PeakMemory.model_validate(p) for p in got]
 
 
+def summed(counts: dict[str, int]) -> dict[str, int]:
+    """Per-key totals over the ranks (collective; the same keys on every rank): what each
+    rank counted on its share of the calibration samples, e.g. tokens per MoE expert."""
+    d = _dist()
+    if d is None or not counts:
+        return counts
+    import torch
+
+    keys = sorted(counts)
+    t = torch.tensor([counts[k] for k in keys], dtype=torch.int64)
+    d.all_reduce(t)
+    return dict(zip(keys, (int(v) for v in t.tolist()), strict=True))
+
+
 def alone() -> contextlib.AbstractContextManager[None]:
     """Rank 0's own work after the collective part (the checks, the reload): compressed-
     tensors and model loading act as in one process."""
