@@ -55,10 +55,13 @@ TorchrunOpt = Annotated[
 OFFLOAD_CHOICES = ("auto", "none", "cpu", "disk")
 
 
-def check_offload(offload: str) -> str:
-    if offload not in OFFLOAD_CHOICES:
-        raise UsageError(f"--offload {offload!r} is not one of {', '.join(OFFLOAD_CHOICES)}",
-                         path="--offload", hint="use auto, none, cpu or disk")  # fmt: skip
+def check_offload(offload: str, *, auto: bool = True) -> str:
+    """A valid --offload; `auto` only where a resource estimate chooses (run, plan)."""
+    allowed = OFFLOAD_CHOICES if auto else OFFLOAD_CHOICES[1:]
+    if offload not in allowed:
+        raise UsageError(f"--offload {offload!r} is not one of {', '.join(allowed)}",
+                         path="--offload", hint="use " + ", ".join(allowed) +
+                         ("" if auto else " (`qship plan --offload auto` says which fits)"))  # fmt: skip
     return offload
 
 

@@ -9,7 +9,7 @@ import typer
 
 from .. import log
 from ..records.evaluation import EvalFile
-from .common import CacheOpt, DeviceOpt, JsonOpt, cache_root, check_dtype
+from .common import CacheOpt, DeviceOpt, JsonOpt, OffloadOpt, cache_root, check_dtype, check_offload
 
 
 def evaluate_cmd(
@@ -34,6 +34,7 @@ def evaluate_cmd(
         ),
     ] = None,
     device: DeviceOpt = None,
+    offload: OffloadOpt = "none",
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
 ) -> EvalFile:
@@ -48,6 +49,7 @@ def evaluate_cmd(
     from ..records.checkpoint import QuantizedCheckpoint
 
     check_dtype(dtype)
+    check_offload(offload, auto=False)
     r = load_recipe(recipe)
     root = cache_root(cache_dir)
     ev = r.evaluation
@@ -65,6 +67,7 @@ def evaluate_cmd(
             data_dir=data, task_batch_size=ev.task_batch_size, overlap=ov,
             batch_size=ev.batch_size, exact=exact, topk=topk or DEFAULT_TOPK, device=device,
             dtype=dtype, corpus_source=ts.info.source, corpus_hash=ts.info.corpus_hash,
+            offload=offload,
         )  # fmt: skip
         line.note = report.summary()
     verdict = gate.check(report, r.gates)

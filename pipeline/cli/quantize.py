@@ -8,7 +8,6 @@ from typing import Annotated, Any
 import typer
 
 from .. import log
-from ..errors import UsageError
 from ..records.checkpoint import QuantizedCheckpoint
 from ..records.plan import Plan
 from .common import CacheOpt, DeviceOpt, JsonOpt, OffloadOpt, cache_root, check_offload
@@ -74,10 +73,8 @@ def quantize_cmd(
     from ..quantize import build_plan, quantize
     from ..recipe import load_recipe
 
+    check_offload(offload, auto=False)
     r = load_recipe(recipe)
-    if check_offload(offload) == "auto":
-        raise UsageError("qship quantize takes --offload none, cpu or disk", path="--offload",
-                         hint="`qship plan --offload auto` says which one fits")  # fmt: skip
     build_plan(load_meta_model(model), r)  # an invalid recipe: exit 2 before any compute
     with log.stage("tokens") as line:
         tokens = build_token_sets(AutoTokenizer.from_pretrained(model), r.calibration,

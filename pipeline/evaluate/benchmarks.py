@@ -65,6 +65,7 @@ def run_lm_eval(
     batch_size: int,
     offline: bool = True,
     timeout_s: float | None = None,
+    offload: str = "none",
 ) -> tuple[dict[str, dict], float]:
     """lm-eval on `tasks` (lm-eval task names) in a child process;
     {task: {status, metric, items: {doc_id: 0/1}, split, n_total} | {status, reason}}, and
@@ -74,7 +75,8 @@ def run_lm_eval(
     with tempfile.TemporaryDirectory(prefix="qship-lmeval-") as tmp:
         spec = {"model_dir": str(Path(model_dir).resolve()), "tasks": tasks,
                 "data_dir": str(data_dir) if data_dir else None, "limit": limit,
-                "device": device, "dtype": dtype, "batch_size": batch_size, "work": tmp}  # fmt: skip
+                "device": device, "dtype": dtype, "batch_size": batch_size, "work": tmp,
+                "offload": offload}  # fmt: skip
         env = dict(os.environ)
         if offline:
             env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
@@ -124,9 +126,14 @@ def _worker(spec: dict) -> None:
         local = [t for t in spec["tasks"] if t in data.LOCAL_TASKS]
         include = str(data.task_dir(local, Path(spec["data_dir"]), work / "tasks"))
     tm = TaskManager(include_path=include)
+    args = f"pretrained={spec['model_dir']},dtype={spec['dtype']}"
+    if spec.get("offload", "none") != "none" and spec["device"].startswith("cuda"):
+        # a model that does not fit the GPU: lm-eval's accelerate placement (what fits on the
+        # GPU, the rest in host memory, then files)
+        args += f",parallelize=True,offload_folder={work / 'offload'}"
     r = lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={spec['model_dir']},dtype={spec['dtype']}",
+        model_args=args,
         tasks=spec["tasks"], task_manager=tm, limit=spec["limit"], device=spec["device"],
         batch_size=spec["batch_size"], log_samples=True, bootstrap_iters=0,
     )  # fmt: skip
@@ -208,13 +215,14 @@ def compare(
     dtype: str | None = None,
     batch_size: int = 4,
     hub_timeout_s: float = 1800.0,
+    offload: str = "none",
 ) -> Benchmarks:
     """Both models on every task, item by item; the reference from the cache when it can."""
     online, why = hub_reachable() if hub_tasks else (False, "")
     # float32 on the CPU as everywhere in evaluate (bf16 matmuls there are slow and lossy)
     dt = dtype or ("float32" if device_kind(device) == "cpu" else "auto")
     kw: dict[str, Any] = dict(data_dir=data_dir, limit=limit, device=device, dtype=dt,
-                              batch_size=batch_size)  # fmt: skip
+                              batch_size=batch_size, offload=offload)  # fmt: skip
     cache = StageCache(Path(cache_dir))
 
     def key(name: str) -> str:

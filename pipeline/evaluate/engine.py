@@ -89,7 +89,7 @@ def evaluate(
     served check (served.py; cached mode only). `offload` cpu / disk: models that do not fit
     the GPU are evaluated with their weights in host memory, onloaded module by module
     (model/loading.py; disk is host memory here too: a packed checkpoint does not survive
-    accelerate's disk offload)."""
+    accelerate's disk offload); lm-eval places them with its own `parallelize`."""
     device = device or default_device()
     if heldout_ids.ndim != 2 or heldout_ids.shape[1] < 2:
         raise UsageError(
@@ -165,7 +165,7 @@ def evaluate(
         benchmarks = bm.compare(
             reference, candidate.path, tasks=list(tasks), hub_tasks=list(hub_tasks),
             data_dir=data_dir, limit=limit, cache_dir=cache_dir, device=device, dtype=dtype,
-            batch_size=task_batch_size,
+            batch_size=task_batch_size, offload=offload,
         )  # fmt: skip
         timings["benchmarks_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_all

@@ -98,7 +98,8 @@ def estimate(
         seconds = layers * K_CPU * layer_params * tokens
         cpu = (2 * w if offload == "none" else unit) + R_CPU  # float32 on the CPU
     reference = ev.sequences * (ev.seq_len - 1) * min(4096, vocab or 4096) * 8
-    disk = w + 2 * q + reference + (w if offload == "disk" else 0)
+    # + W while quantize runs: its finished layers, kept for a resume (resume.py)
+    disk = w + 2 * q + reference + w + (w if offload == "disk" else 0)
     return ResourceEstimate(device="cuda" if gpu else "cpu", offload=offload,
                             quantize_gpu_bytes=q_gpu, quantize_cpu_bytes=int(cpu),
                             quantize_s=round(seconds, 1), evaluate_gpu_bytes=e_gpu,

@@ -23,7 +23,9 @@ class ResourceEstimate(Record):
     evaluate_gpu_bytes: int | None
     """Peak GPU memory of evaluate (one model and a batch of logits), null on the CPU."""
     disk_bytes: int
-    """New cache entries and the artifact: bf16 snapshot, checkpoint twice, reference log-probs."""
+    """New cache entries and the artifact: bf16 snapshot, checkpoint twice, reference log-probs,
+    the finished layers kept for a resume while quantize runs (and the weights' files with
+    --offload disk)."""
     basis: str
     """Which measured costs the figures come from."""
 
