@@ -260,3 +260,39 @@ def test_moe_expert_tokens_are_totals_over_ranks(setup, tiny_moe, tmp_path):
     two = launch(tiny_moe, r, tmp_path / "two", cache_dir=work / "cache", gpus=2, device="cpu")
     assert one is not None and two is not None and two.processes == 2
     assert two.expert_tokens == one.expert_tokens and min(one.expert_tokens.values()) > 0
+
+
+def test_two_nodes_through_rendezvous_flags(setup, tiny_llama, tmp_path):
+    """Multi-node as users run it: the same launch on two "nodes" (two torchrun agents on
+    this host, one process each, torchrun's static rendezvous on localhost, where node 0
+    holds rank 0). Node 0 writes the checkpoint and gets the record; node 1 writes nothing
+    and gets None. (With c10d rendezvous torchrun gives rank 0 to any node.)"""
+    import socket
+    import threading
+
+    work, r, tokens, plain = setup
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+
+    def flags(node: int) -> list[str]:
+        return ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "localhost",
+                "--master-port", str(port)]  # fmt: skip
+
+    got: dict[str, object] = {}
+
+    def node1() -> None:
+        try:
+            got["node1"] = launch(tiny_llama, r, tmp_path / "node1", cache_dir=work / "cache",
+                                  gpus=1, device="cpu", torchrun_args=flags(1))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            got["node1"] = e
+
+    t = threading.Thread(target=node1)
+    t.start()
+    qc = launch(tiny_llama, r, tmp_path / "node0", cache_dir=work / "cache", gpus=1,
+                device="cpu", torchrun_args=flags(0))  # fmt: skip
+    t.join(timeout=300)
+    assert got.get("node1", "missing") is None, got
+    assert qc is not None and qc.processes == 2 and not (tmp_path / "node1").exists()
+    _same_quality(plain.path, qc.path, tiny_llama, tokens.heldout_ids.long())

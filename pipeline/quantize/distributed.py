@@ -12,8 +12,9 @@ one rank and broadcasts it. qship only launches and collects:
 
 Fetch, tokens, evaluate, gate and package run once, in the parent. Multi-node: every node
 runs the same `qship run` with torchrun's rendezvous flags (`--torchrun-args "--nnodes 2
---node-rank K --rdzv-backend c10d --rdzv-endpoint HOST:PORT"`); the node holding rank 0
-writes the checkpoint and carries on, the others end after quantize.
+--node-rank K --master-addr HOST --master-port PORT"`); the node holding rank 0 (node 0
+with this static rendezvous) writes the checkpoint and carries on, the others end after
+quantize.
 """
 
 from __future__ import annotations

@@ -43,7 +43,12 @@ from .checks import check_expert_tokens, check_saved, verify_reload
 from .memory import PhasePeaks, release_llmcompressor_session
 from .metrics import capture_metrics
 from .modifiers import build_modifiers
-from .patches import awq_lean_grid_search, library_logs_to_stderr, without_accelerator
+from .patches import (
+    awq_lean_grid_search,
+    library_logs_to_stderr,
+    rank_local_device,
+    without_accelerator,
+)
 from .plan import build_plan
 from .resume import LayerStore, restoring
 
@@ -153,6 +158,7 @@ def _quantize(
     store = LayerStore(resume_dir, plan)
     with (
         without_accelerator() as pin_patched,
+        rank_local_device(),
         lean,
         capture_metrics(model, plan, on_layer=ranks.layer_done, store=store) as got,
         restoring(model, store),

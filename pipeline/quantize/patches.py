@@ -63,6 +63,32 @@ def without_accelerator() -> Iterator[bool]:
 
 
 @contextlib.contextmanager
+def rank_local_device() -> Iterator[None]:
+    """llm-compressor 0.14 computes on `<accelerator>:<global rank>`, which on the second
+    node of a multi-node run names a GPU that node does not have (rank 8 -> cuda:8 with 8
+    GPUs a node). Under torch.distributed with an accelerator, inside this block, it is the
+    device this rank selected (`torch.accelerator.current_device_index()`: LOCAL_RANK)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and torch.accelerator.is_available()):
+        yield
+        return
+    from llmcompressor.pipelines.data_free import pipeline as data_free
+    from llmcompressor.pipelines.sequential import pipeline as sequential
+    from llmcompressor.utils import dev
+
+    def local() -> torch.device:
+        kind = torch.accelerator.current_accelerator()
+        assert kind is not None
+        return torch.device(kind.type, torch.accelerator.current_device_index())
+
+    with contextlib.ExitStack() as stack:
+        for mod in (dev, sequential, data_free):
+            stack.enter_context(patched(mod, "get_main_device", local))
+        yield
+
+
+@contextlib.contextmanager
 def awq_lean_grid_search() -> Iterator[None]:
     """AWQ's grid search with less alive at once; the same scales (tests/test_quantize.py).
 
