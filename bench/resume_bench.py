@@ -42,7 +42,7 @@ HOOK = """
 import os
 if os.environ.get("KILL_AFTER"):
     import pipeline.quantize.ranks as ranks
-    def layer_done(layer):
+    def layer_done(layer, count):
         if layer == os.environ["KILL_AFTER"]:
             os.kill(os.getpid(), 9)
     ranks.layer_done = layer_done

@@ -121,8 +121,8 @@ def test_failed_rank_is_named_and_leaves_nothing(setup, tiny_llama, tmp_path, mo
         if os.environ.get("RANK") == "1":
             import pipeline.quantize.ranks as ranks
             done = ranks.layer_done
-            def layer_done(layer):
-                done(layer)
+            def layer_done(layer, count):
+                done(layer, count)
                 if layer == "model.layers.1":
                     {act}
             ranks.layer_done = layer_done
@@ -220,7 +220,7 @@ def test_resume_after_a_kill(setup, tiny_llama, tmp_path):
         import os
         if os.environ.get("QSHIP_TEST_KILL_AFTER"):
             import pipeline.quantize.ranks as ranks
-            def layer_done(layer):
+            def layer_done(layer, count):
                 if layer == os.environ["QSHIP_TEST_KILL_AFTER"]:
                     os.kill(os.getpid(), {int(signal.SIGKILL)})
             ranks.layer_done = layer_done

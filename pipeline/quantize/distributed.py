@@ -64,7 +64,7 @@ def launch(
     try:
         (work / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
         spec = {"model_dir": str(model_dir), "recipe": str(work / "recipe.yaml"),
-                "recipe_path": recipe.path, "out_dir": str(out_dir), "cache_dir": str(cache_dir),
+                "out_dir": str(out_dir), "cache_dir": str(cache_dir),
                 "device": device, "offload": offload,
                 "resume_dir": str(resume_dir) if resume_dir else None}  # fmt: skip
         (work / SPEC).write_text(json.dumps(spec), encoding="utf-8")
@@ -92,14 +92,16 @@ def _run(cmd: list[str], work: Path, layers: int) -> tuple[int, str]:
     with open(out_file, "w") as fh, log.Progress("calibrate (rank 0)", layers or None,
                                                   unit="layers") as bar:  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-        seen = ""
-        while proc.poll() is None:
-            time.sleep(0.5)
-            p = ranks.progress_file(work, 0)
-            now = p.read_text() if p.is_file() else ""
-            if now and now != seen:
-                seen = now
-                bar.update(bar.done + 1, now)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                done = ranks.progress(work, 0)
+                if done is not None and done[0] != bar.done:
+                    bar.update(*done)
+        finally:  # interrupted here (Ctrl-C, a timeout): the ranks go too
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
     output = out_file.read_text(errors="replace")
     sys.stderr.write(output)  # the run log (log.third_party_to)
     return proc.returncode, output
@@ -146,8 +148,8 @@ def _failure(rc: int, output: str, work: Path, gpus: int) -> errors.QshipError:
 
 
 def _after(work: Path, r: int) -> str:
-    p = ranks.progress_file(work, r)
-    return f" (after {p.read_text()})" if p.is_file() else " (before its first layer finished)"
+    done = ranks.progress(work, r)
+    return f" (after {done[1]})" if done else " (before its first layer finished)"
 
 
 # ------------------------------------------------------------------ one rank

@@ -80,7 +80,7 @@ def _of_layer(layer: str, got: Captured) -> dict[str, Any]:
 def capture_metrics(
     model: Any,
     plan: Plan,
-    on_layer: Callable[[str], None] | None = None,
+    on_layer: Callable[[str, int], None] | None = None,
     store: LayerStore | None = None,
 ) -> Iterator[Captured]:
     """`store`: each finished layer is saved there; a layer it restored is not calibrated
@@ -138,7 +138,7 @@ def capture_metrics(
         log.detail(f"[{n}/{len(layers)} layers] {layer} done in {got.layers[-1].seconds:.2f} s")
         bar.update(n, layer)
         if on_layer is not None:
-            on_layer(layer)
+            on_layer(layer, n)
         return out
 
     with (

@@ -66,12 +66,24 @@ def alone() -> contextlib.AbstractContextManager[None]:
     return as_single_threaded() if _dist() else contextlib.nullcontext()
 
 
-def progress_file(folder: Path, r: int) -> Path:
+def _progress_file(folder: Path, r: int) -> Path:
     return folder / f"rank{r}.layer"
 
 
-def layer_done(layer: str) -> None:
-    """Record the last decoder layer this rank finished (the launcher reads it on failure)."""
+def layer_done(layer: str, count: int) -> None:
+    """Record the last decoder layer this rank finished and how many are done (the launcher
+    shows rank 0's as progress and names a failed rank's)."""
     folder = os.environ.get(PROGRESS_ENV)
     if folder:
-        progress_file(Path(folder), rank()).write_text(layer)
+        tmp = _progress_file(Path(folder), rank()).with_suffix(".tmp")
+        tmp.write_text(f"{count}\t{layer}")
+        os.replace(tmp, _progress_file(Path(folder), rank()))
+
+
+def progress(folder: Path, r: int) -> tuple[int, str] | None:
+    """(layers done, the last one) as rank `r` recorded them, or None."""
+    p = _progress_file(folder, r)
+    if not p.is_file():
+        return None
+    count, _, layer = p.read_text().partition("\t")
+    return int(count), layer
