@@ -1,70 +1,40 @@
-"""Stage order, the stage cache and the run record: `qship run` end to end.
-
-    recipe ─► fetch ─► tokens ─► eval-data ─► quantize ─► evaluate ─► gate ─► package ─► (publish)
-
-`recipe` checks the recipe against the model's config alone (meta device) before anything
-is downloaded or loaded: an invalid recipe exits 2 in seconds. Each later stage takes the
-previous stage's record and returns its own. quantize and evaluate are cached under
-<cache>/<stage>/<key>/, keyed by the hash of their inputs, so a CI retry, a run resumed
-after a kill, or a recipe sweep (`qship compare`) re-uses fetch, the token sets, the
-reference log-probs and finished quantizations (fetch and tokens cache themselves by
-content). The gate is computed once, here, and carried to package and run.json.
-
-A run that fails its gate leaves no artifact: `<out>.report/` holds eval.json, eval.md,
-plan.json, quantize_report.json and run.json, and the run exits 4. Any failure writes
-run.json with the error before it propagates.
+"""The stages of a run, each with its stage line, its row of the run record and, for
+quantize and evaluate, its stage-cache entry: the pieces `run()` (and `qship compare`,
+`qship sensitivity`) chain. Each takes the previous stage's record and returns its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gate, log
-from .data.tokens import TokenSets, build_token_sets
-from .errors import QshipError, StageError, UsageError
-from .io.atomic import atomic_write_text
-from .io.cache import StageCache, stage_key
-from .model.devices import device_kind
-from .recipe import Recipe, load_recipe
-from .records.checkpoint import QuantizedCheckpoint
-from .records.evaluation import EvalFile, EvalReport, ModelRef, Overlap
-from .records.plan import Plan
-from .records.run import ErrorInfo, RunRecord, StageRow
-from .records.snapshot import Snapshot
-from .records.verdict import Verdict
+from .. import gate, log
+from ..data.tokens import TokenSets, build_token_sets
+from ..errors import StageError
+from ..io.cache import StageCache, stage_key
+from ..model.devices import device_kind
+from ..recipe import Recipe
+from ..records.checkpoint import QuantizedCheckpoint
+from ..records.evaluation import EvalReport, ModelRef, Overlap
+from ..records.plan import Plan
+from ..records.run import StageRow
+from ..records.snapshot import Snapshot
+from ..records.verdict import Verdict
 
 QUANT_MODEL = "model"  # the checkpoint's folder inside a quantize cache entry
 RESUME = "quantize-layers"  # <cache>/quantize-layers/<key>/: an unfinished run's layers
 MEASURED = "measured.safetensors"  # the served check's measured log-probs, in an evaluate entry
 # Recipe fields that change the quantized weights (gates and evaluation settings do not).
 _QUANT_FIELDS = ("dtype", "groups", "kv_cache", "calibration")
-REPORT_SUFFIX = ".report"
 
 
 @dataclass(frozen=True)
 class EvalData:
     data_dir: Path | None  # the pinned benchmark data (None: no local tasks)
     overlap: Overlap
-
-
-def report_dir_for(out: Path) -> Path:
-    return Path(out).with_name(Path(out).name + REPORT_SUFFIX)
-
-
-def check_out(out: Path) -> Path:
-    """An artifact is never overwritten: a run's --out must not exist yet."""
-    if Path(out).exists():
-        raise UsageError(
-            "the output folder already exists",
-            path=str(out),
-            hint="pass a new --out (artifacts are never overwritten) or delete the old one",
-        )
-    return Path(out)
 
 
 @dataclass
@@ -103,10 +73,10 @@ class Context:
 
 def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = True) -> Plan:
     """The recipe against the model's config, before any weight is fetched (exit 2)."""
-    from .fetch import read_config
-    from .model.devices import default_device, free_cpu_bytes, free_gpu_bytes
-    from .quantize import plan_for_config
-    from .quantize.estimate import choose, require_fit
+    from ..fetch import read_config
+    from ..model.devices import default_device, free_cpu_bytes, free_gpu_bytes
+    from ..quantize import plan_for_config
+    from ..quantize.estimate import choose, require_fit
 
     with ctx.stage("recipe") as line:
         config = read_config(model, cache_dir=ctx.cache_dir)
@@ -124,7 +94,7 @@ def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = 
 
 
 def fetch_stage(source: str, ctx: Context, *, allow_pickle: bool = False) -> Snapshot:
-    from .fetch import fetch
+    from ..fetch import fetch
 
     with ctx.stage("fetch") as line:
         snap = fetch(source, cache_dir=ctx.cache_dir, checksums_dir=ctx.checksums_dir,
@@ -152,7 +122,7 @@ def eval_data_stage(
     the calibration text (exit 2 above evaluation.max_overlap) -- before any model work."""
     from transformers import AutoTokenizer
 
-    from .data.benchmarks import prepare
+    from ..data.benchmarks import prepare
 
     with ctx.stage("eval-data") as line:
         tok = AutoTokenizer.from_pretrained(snapshot.path)
@@ -187,9 +157,9 @@ class NotOnRankZero(Exception):
 def quantize_stage(
     snapshot: Snapshot, recipe: Recipe, tokens: TokenSets, ctx: Context, *, layers: int = 0
 ) -> tuple[QuantizedCheckpoint, str]:
-    from .model.devices import default_device
-    from .quantize import quantize
-    from .quantize.distributed import launch
+    from ..model.devices import default_device
+    from ..quantize import quantize
+    from ..quantize.distributed import launch
 
     key = quantize_key(snapshot, recipe, tokens, ctx.device, ctx.gpus)
 
@@ -228,7 +198,7 @@ def evaluate_stage(
     snapshot: Snapshot, qc: QuantizedCheckpoint, qkey: str, recipe: Recipe,
     tokens: TokenSets, evdata: EvalData, ctx: Context,
 ) -> EvalReport:  # fmt: skip
-    from .evaluate import evaluate
+    from ..evaluate import evaluate
 
     ev = recipe.evaluation
     key = stage_key(
@@ -273,8 +243,8 @@ def serve_stage(
     qc: QuantizedCheckpoint, report: EvalReport, recipe: Recipe, ctx: Context
 ) -> EvalReport:
     """The recipe's served check on the quantized checkpoint, when its engine is here."""
-    from .evaluate.engines import unavailable
-    from .evaluate.served import run_check
+    from ..evaluate.engines import unavailable
+    from ..evaluate.served import run_check
 
     sg = recipe.serve
     if sg is None:
@@ -300,104 +270,3 @@ def gate_stage(report: EvalReport, recipe: Recipe, ctx: Context) -> Verdict:
     for row in verdict.summary().splitlines()[1:]:
         log.info(row, style=None if verdict.passed else "red")
     return verdict
-
-
-def write_report_dir(reports: Path, ev: EvalFile, qc: QuantizedCheckpoint | None = None) -> None:
-    """eval.json, eval.md, plan.json and quantize_report.json in the report folder: readable
-    also when the gate fails and no artifact exists (`qship compare --collect` takes them)."""
-    from .evaluate import write_outputs
-
-    write_outputs(ev, reports)
-    if qc is not None:
-        atomic_write_text(reports / "plan.json", json.dumps(qc.plan.to_json(), indent=2) + "\n")
-        qc.write(reports)
-
-
-# ------------------------------------------------------------------ the whole run
-
-
-def run(
-    model: str,
-    recipe_path: Path,
-    out: Path,
-    *,
-    cache_dir: Path,
-    publish_to: str | None = None,
-    sign_key: Path | None = None,
-    device: str | None = None,
-    allow_pickle: bool = False,
-    checksums_dir: Path = Path("checksums"),
-    require_pin: bool = False,
-    offload: str = "auto",
-    gpus: int = 0,
-    torchrun_args: tuple[str, ...] = (),
-) -> RunRecord:
-    """recipe → fetch → tokens → quantize → evaluate → gate → package (→ publish).
-    Raises GateFailed (4) when the gate fails; every error carries the RunRecord."""
-    out = check_out(out)
-    recipe = load_recipe(recipe_path)
-    ctx = Context(Path(cache_dir), device=device, checksums_dir=Path(checksums_dir),
-                  require_pin=require_pin, offload=offload, gpus=gpus,
-                  torchrun_args=torchrun_args)  # fmt: skip
-    reports = report_dir_for(out)
-    rec = RunRecord(model=model, recipe=str(recipe_path), recipe_name=recipe.name,
-                    report_dir=reports)  # fmt: skip
-    try:
-        rec = _run(model, recipe, out, reports, ctx, rec, publish_to, sign_key, allow_pickle)
-    except QshipError as e:
-        rec = _finish(rec, ctx, reports, error=ErrorInfo(**e.to_json()))
-        e.result = rec
-        raise
-    except Exception as e:
-        info = ErrorInfo(error=type(e).__name__, exit_code=1, message=str(e)[:2000])
-        _finish(rec, ctx, reports, error=info)
-        raise
-    return rec
-
-
-def _run(
-    model: str, recipe: Recipe, out: Path, reports: Path, ctx: Context, rec: RunRecord,
-    publish_to: str | None, sign_key: Path | None, allow_pickle: bool,
-) -> RunRecord:  # fmt: skip
-    plan = check_recipe(model, recipe, ctx)
-    snap = fetch_stage(model, ctx, allow_pickle=allow_pickle)
-    tokens = tokens_stage(snap, recipe, ctx)
-    evdata = eval_data_stage(snap, recipe, tokens, ctx)
-    try:
-        qc, qkey = quantize_stage(snap, recipe, tokens, ctx, layers=len(plan.decoder_layers))
-    except NotOnRankZero:
-        log.info("quantize done on this node; the node running rank 0 evaluates and packages")
-        return _finish(rec, ctx, reports)
-    report = evaluate_stage(snap, qc, qkey, recipe, tokens, evdata, ctx)
-    report = serve_stage(qc, report, recipe, ctx)
-    verdict = gate_stage(report, recipe, ctx)
-    write_report_dir(reports, EvalFile.of(report, verdict=verdict, quantize=qc.brief()), qc)
-    rec = rec.model_copy(update={"passed": verdict.passed, "verdict": verdict})
-    gate.require_pass(verdict, where=str(reports / "eval.json"))
-
-    from .artifact.package import package
-
-    with ctx.stage("package") as line:
-        art = package(
-            checkpoint=qc, recipe=recipe, evaluation=report, verdict=verdict, out=out,
-            source=snap, quantize_key=qkey, sign_key=sign_key,
-            timings={f"{r.stage}_s": r.seconds for r in ctx.rows},
-        )  # fmt: skip
-        line.note = f"{out} ({len(art.files)} files{', signed' if art.signed else ''})"
-    rec = rec.model_copy(update={"artifact": out})
-    if publish_to:
-        from .artifact.publish import publish
-
-        with ctx.stage("publish") as line:
-            pub = publish(out, publish_to)
-            line.note = pub.summary()
-        rec = rec.model_copy(update={"published": pub})
-    return _finish(rec, ctx, reports)
-
-
-def _finish(
-    rec: RunRecord, ctx: Context, reports: Path, error: ErrorInfo | None = None
-) -> RunRecord:
-    rec = rec.model_copy(update={"stages": list(ctx.rows), "error": error})
-    atomic_write_text(reports / "run.json", json.dumps(rec.to_json(), indent=2) + "\n")
-    return rec
