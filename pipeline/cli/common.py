@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ..errors import UsageError
+from ..model.loading import OFFLOAD_MODES
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 CacheOpt = Annotated[
@@ -52,7 +53,7 @@ TorchrunOpt = Annotated[
         '--rdzv-endpoint HOST:29500" (every node runs the same qship run).',
     ),
 ]
-OFFLOAD_CHOICES = ("auto", "none", "cpu", "disk")
+OFFLOAD_CHOICES = ("auto", *OFFLOAD_MODES)  # auto: chosen by the resource estimate
 
 
 def check_offload(offload: str, *, auto: bool = True) -> str:

@@ -181,14 +181,13 @@ def _quantize(
     check_expert_tokens(got.expert_tokens, plan, recipe, model_dir)
     log.detail(f"oneshot done in {t_oneshot:.1f} s; saving compressed")
 
+    t2 = time.perf_counter()
+    model.to(DTYPES[recipe.dtype].torch())  # computed in float32 on the CPU (devices.py)
     if not ranks.is_writer():  # compressing is collective; rank 0 alone writes the files
-        model.to(DTYPES[recipe.dtype].torch())
         model.save_pretrained(spill / "not-written", save_compressed=True)
         ranks.gather_peaks(peaks.result())
         return None
     with atomic_dir(out_dir) as tmp:
-        t2 = time.perf_counter()
-        model.to(DTYPES[recipe.dtype].torch())  # computed in float32 on the CPU (devices.py)
         model.save_pretrained(tmp, save_compressed=True)
         for f in (*TOKENIZER_FILES, *CONFIG_FILES[1:]):
             if (model_dir / f).is_file():
