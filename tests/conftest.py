@@ -18,6 +18,17 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = Path(__file__).parent / "fixtures" / "models"
 
 
+@pytest.fixture(scope="module")
+def two_threads():
+    """torch on 2 threads for a module (the CI machine's cores), restored after it."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return ROOT

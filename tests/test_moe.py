@@ -25,12 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 N, L = 8, 64  # calibration windows x tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("two_threads")
 
 
 def recipe(all_experts: bool = True):

@@ -37,12 +37,7 @@ CASES = [("tiny_gemma", r) for r in ALL] + [
 KL_RESULTS: dict = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("two_threads")
 
 
 def _small(recipe_name: str):

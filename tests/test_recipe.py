@@ -28,6 +28,9 @@ EXPECTED = {
     "mixed-w4-nokv",
     "w8-int8",
     "gptq-w4a-mse-sens6",
+    "gptq-w4a-mse-tuned",
+    "gptq-w4a-mse",
+    "autoround-w4a",
 }
 
 
@@ -276,6 +279,25 @@ def test_best_4bit_recipe_plans_within_its_budget_on_gemma(gemma_snapshot):
         if m.scheme.bits == 4
     )
     assert len(q) == 18 * 7
+
+
+def test_tuned_recipe_plans_as_tune_chose_on_gemma(gemma_snapshot):
+    """`qship tune`'s recipe (bench/RESULTS.md, the quality frontier) on the real Gemma 3
+    270M: within 4.25 bits per weight, its 43 modules at int4 g64 / g32 / int8 by layer-index
+    regexes, every other decoder Linear at the base's int4 asym g128 MSE."""
+    from collections import Counter
+
+    from pipeline.quantize.plan import plan_for_dir
+
+    plan = plan_for_dir(
+        Path(gemma_snapshot.path), load_recipe(ROOT / "recipes" / "gptq-w4a-mse-tuned.yaml")
+    )
+    assert 4.24 < plan.bits_per_weight.quantized <= 4.25
+    q = [m for m in plan.modules if m.scheme]
+    assert len(q) == 18 * 7
+    kinds = Counter((m.scheme.bits, m.scheme.group_size) for m in q)
+    assert kinds == {(4, 128): 83, (4, 64): 21, (4, 32): 16, (8, 128): 6}, kinds
+    assert all(m.scheme.observer == "mse" and not m.scheme.symmetric for m in q)
 
 
 def test_cli_usage_errors_exit_2(capsys):

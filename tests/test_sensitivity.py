@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from cli_run import qship
+from small_recipes import small_recipe
 
 from pipeline.compare.sensitivity import rtn_weight
 from pipeline.quantize.plan import plan_for_dir
@@ -19,26 +20,12 @@ from pipeline.recipe import load_recipe
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("two_threads")
 
 
 @pytest.fixture(scope="module")
 def small_rtn(tmp_path_factory) -> Path:
-    """rtn-w4 with small calibration / held-out sets (no KV scheme: weights only)."""
-    d = yaml.safe_load((ROOT / "recipes" / "rtn-w4.yaml").read_text())
-    d["name"] = "rtn-w4-small"
-    d["kv_cache"] = None
-    d["calibration"].update(num_samples=8, seq_len=128, batch_size=8)
-    d["evaluation"].update(sequences=8, seq_len=128, tasks=[], hub_tasks=[])
-    d["gates"] = {"kl_mean_max": 10.0}
-    p = tmp_path_factory.mktemp("recipes") / "rtn-w4-small.yaml"
-    p.write_text(yaml.safe_dump(d, sort_keys=False))
-    return p
+    return small_recipe(tmp_path_factory.mktemp("recipes"), "rtn-w4")
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -153,7 +140,7 @@ def test_write_recipe_needs_budget_and_keeps_existing_file(tiny_gemma, small_rtn
 
 
 def test_upgrade_excludes_the_chosen_modules_from_their_old_group(tiny_gemma):
-    from pipeline.compare.sensitivity import upgrade_recipe
+    from pipeline.compare.recipe_writer import upgrade_recipe
 
     data = {
         "name": "all-linear",

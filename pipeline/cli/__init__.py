@@ -22,7 +22,7 @@ from .. import log
 from ..errors import QshipError
 from .artifact import package_cmd, publish_cmd, verify_cmd
 from .common import OneLineJson, default_log
-from .compare import compare_cmd, sensitivity_cmd
+from .compare import compare_cmd, sensitivity_cmd, tune_cmd
 from .evaluate import evaluate_cmd
 from .fetch import fetch_cmd
 from .quantize import plan_cmd, quantize_cmd
@@ -64,6 +64,7 @@ for _name, _fn in (
     ("publish", publish_cmd),
     ("compare", compare_cmd),
     ("sensitivity", sensitivity_cmd),
+    ("tune", tune_cmd),
 ):
     app.command(_name)(_fn)
 

@@ -27,6 +27,9 @@ def compare_cmd(
         list[Path] | None,
         typer.Option("--collect", help="Merge eval.json files under DIR… (CI jobs' results)."),
     ] = None,
+    exact: Annotated[
+        bool, typer.Option("--exact/--cached", help="Full-vocabulary KL (slower) or top-k + tail.")
+    ] = False,
     device: DeviceOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
@@ -42,7 +45,8 @@ def compare_cmd(
         if not model:
             raise UsageError("--model is required (or use --matrix / --collect)", path="--model")
         paths = cmp.recipe_paths((recipes or []) + (items or []))
-        res = cmp.compare(model, paths, out, cache_dir=cache_root(cache_dir), device=device)
+        res = cmp.compare(model, paths, out, cache_dir=cache_root(cache_dir), device=device,
+                          exact=exact)  # fmt: skip
     return res.require_pass()
 
 
@@ -71,3 +75,47 @@ def sensitivity_cmd(
 
     return run(model, recipe, cache_dir=cache_root(cache_dir), device=device, sequences=sequences,
                out=out, write_recipe=write_recipe, max_bits=max_bits)  # fmt: skip
+
+
+def tune_cmd(
+    model: Annotated[str, typer.Option("--model", help="Source model (as for run).")],
+    recipe: Annotated[
+        Path, typer.Option("--recipe", help="Base recipe: methods, options, data, gates.")
+    ],
+    write_recipe: Annotated[
+        Path, typer.Option("--write-recipe", help="Where the tuned recipe goes (a new file).")
+    ],
+    max_bits: Annotated[
+        float | None, typer.Option("--max-bits", help="Bits per quantized weight, at most.")
+    ] = None,
+    max_kl: Annotated[
+        float | None,
+        typer.Option("--max-kl", help="Verified mean KL, at most: the fewest bits that reach it."),
+    ] = None,
+    options: Annotated[
+        str,
+        typer.Option(
+            "--options", help="Schemes a module may take, e.g. w4g128,w4g64,w4g32,w8g128."
+        ),
+    ] = "w4g128,w4g64,w4g32,w8g128",
+    sequences: Annotated[
+        int, typer.Option("--sequences", help="Calibration windows the sensitivity is measured on.")
+    ] = 16,
+    out: Annotated[Path, typer.Option("--out", help="Report folder.")] = Path("tune"),
+    verify: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="Quantize and evaluate base and tuned.")
+    ] = True,
+    exact: Annotated[
+        bool, typer.Option("--exact/--cached", help="Full-vocabulary KL in the verification.")
+    ] = True,
+    device: DeviceOpt = None,
+    cache_dir: CacheOpt = None,
+    as_json: JsonOpt = False,
+) -> object:
+    """Allocate bits and group sizes per module within a budget; write and verify the recipe."""
+    from ..compare.tune import parse_options, run
+
+    res = run(model, recipe, write_recipe=write_recipe, out=out, cache_dir=cache_root(cache_dir),
+              device=device, max_bits=max_bits, max_kl=max_kl, options=parse_options(options),
+              sequences=sequences, verify=verify, exact=exact)  # fmt: skip
+    return res.require_met()

@@ -180,11 +180,13 @@ def compare(
     *,
     cache_dir: Path,
     device: str | None = None,
+    exact: bool = False,
 ) -> CompareResult:
     """Quantize, evaluate and gate every recipe on one model; write the report to `out`.
 
     A recipe whose gate fails is reported, not an error; `CompareResult.require_pass()`
-    decides the exit code. A re-run with the same inputs quantizes nothing.
+    decides the exit code. A re-run with the same inputs quantizes nothing. `exact`: the
+    full-vocabulary KL (slower) instead of the cached top-k + tail bound.
     """
     from .. import runner
     from ..evaluate import write_outputs
@@ -193,7 +195,7 @@ def compare(
     out = Path(out)
     loaded = [load_recipe(p) for p in recipes]
     matrix(list(recipes))  # unique names, before any compute
-    ctx = runner.Context(Path(cache_dir), device=device)
+    ctx = runner.Context(Path(cache_dir), device=device, exact_kl=exact)
     for r in loaded:  # every recipe against the model's config, before any download
         runner.check_recipe(str(model), r, ctx, show_plan=False)
     snap = runner.fetch_stage(str(model), ctx)

@@ -220,3 +220,39 @@ def plot_task_drops(report: dict) -> bytes | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _figure_png(fig)
+
+
+def plot_tune(
+    frontier: list[tuple[float, float]],
+    scale: float,
+    verified: list[dict],
+    max_bits: float | None,
+    max_kl: float | None,
+) -> bytes | None:
+    """`qship tune`: the knapsack's predicted frontier (bits per weight vs summed module KL,
+    scaled to verified KL), the budget, and every recipe verified end to end."""
+    try:
+        plt = _plt()
+    except ImportError:  # no matplotlib (a bare GPU host): tune.json has the same figures
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if frontier:
+        xs, ys = zip(*frontier, strict=True)
+        ax.plot(xs, np.array(ys) * scale, "-", color="0.6",
+                label=f"predicted (sum of module KL x {scale:.3g})")  # fmt: skip
+    for v in verified:
+        if v.get("bits_per_weight") is None or v.get("kl_mean") is None:
+            continue
+        ax.errorbar(v["bits_per_weight"], v["kl_mean"], yerr=v.get("kl_stderr") or 0, fmt="o")
+        ax.annotate(v["name"], (v["bits_per_weight"], v["kl_mean"]), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    if max_bits is not None:
+        ax.axvline(max_bits, ls="--", color="tab:red", lw=1, label=f"--max-bits {max_bits}")
+    if max_kl is not None:
+        ax.axhline(max_kl, ls=":", color="tab:red", lw=1, label=f"--max-kl {max_kl}")
+    ax.set_xlabel("bits per quantized weight")
+    ax.set_ylabel("mean KL (nats)")
+    ax.set_title("qship tune: predicted frontier and verified recipes")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _figure_png(fig)

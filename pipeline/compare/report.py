@@ -128,6 +128,30 @@ def best_by_width(rows: list[dict]) -> dict[str, str]:
     return {w: n for w, n in out.items() if n}
 
 
+# The shipped recipes that won on the quality frontier (bench/RESULTS.md) and when to pick
+# each; the report names those it compared, and `qship tune` when none of them was
+WINNERS = {
+    "gptq-w4a-mse-tuned": "the least KL within 4.25 bits per weight (Gemma 3 270M's modules; "
+    "`qship tune` writes one for another model)",
+    "autoround-w4a": "the least KL of one portable 4-bit recipe (4.16 bits; AutoRound "
+    "calibrates ~25x longer than GPTQ)",
+    "gptq-w4a-mse": "GPTQ's speed, portable; the base `qship tune` starts from",
+}
+
+
+def recommendation(report: dict) -> str:
+    """One paragraph: the best passing recipe and the shipped winners among the rows."""
+    names = set(report["recipes"])
+    picks = [f"{n} for {why}" for n, why in WINNERS.items() if n in names]
+    text = f"Ship **{report['best']}**." if report["best"] else "No recipe passed its gate."
+    if picks:
+        text += " Shipped winners here: " + "; ".join(picks) + "."
+    if "gptq-w4a-mse-tuned" not in names:
+        text += (" For the least KL within a bit budget on this model: `qship tune --recipe "
+                 "recipes/gptq-w4a-mse.yaml --max-bits 4.25 --write-recipe R.yaml`.")  # fmt: skip
+    return text
+
+
 def _task_names(rows: list[dict]) -> list[str]:
     return sorted({t for r in rows for t in (r.get("tasks") or {})})
 
@@ -183,6 +207,7 @@ def summarise_rows(rows: list[dict]) -> dict:
         "best": best_recipe(rows),
         "best_by_width": best_by_width(rows),
         "best_rule": "lowest kl_mean among passing recipes; tie -> fewer bits_per_weight",
+        "winners_compared": [n for n in WINNERS if n in names],
         "pareto_bits_vs_kl": pareto_front(rows),
         "best_per_column": best_per_column(rows),
         "rows": rows,
@@ -246,6 +271,8 @@ def render_md(report: dict) -> str:
         "",
         f"Recipes: {len(rows)}. Best passing recipe (lowest mean KL, tie → fewer bits): "
         f"**{report['best'] or 'none passed'}**." + width_line(report, lambda n: f"**{n}**"),
+        "",
+        "Recommendation: " + recommendation(report),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] + ["---:"] * len(cols) + ["---"]) + "|",

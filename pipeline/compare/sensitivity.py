@@ -16,7 +16,6 @@ so the written recipe is a candidate to compare (`qship compare`), not a result.
 
 from __future__ import annotations
 
-import copy
 import re
 import time
 from dataclasses import dataclass, field
@@ -31,12 +30,11 @@ from ..evaluate.scoring import forward_logits, score_against_reference
 from ..model.devices import DTYPES, default_device
 from ..model.loading import load_model
 from ..quantize.modifiers import qargs
-from ..quantize.plan import build_plan, plan_for_dir, weight_storage_bits
+from ..quantize.plan import build_plan, weight_storage_bits
 from ..recipe import Recipe, load_recipe
 from ..records.evaluation import ModelRef
 from ..records.plan import ModuleScheme, Plan
-
-UPGRADE_BITS = 8
+from .recipe_writer import UPGRADE_BITS, refuse_overwrite, write_upgraded_recipe
 
 
 def rtn_weight(weight: torch.Tensor, scheme: ModuleScheme) -> torch.Tensor:
@@ -118,7 +116,13 @@ def measure(
     batch_size: int | None = None,
     model_label: str | None = None,
     recipe_label: str | None = None,
+    options: list[tuple[int, int | None]] = (),  # type: ignore[assignment]
+    ids_name: str = "held-out",
 ) -> tuple[Sensitivity, Plan]:
+    """KL of the model with one module at a time rounded to its group's scheme; with
+    `options` [(bits, group_size)], each module is also measured at those schemes (same
+    symmetry and observer; a group size its width does not divide is left out) and its row
+    gets `options`: [{bits, group_size, stored_bits, kl_mean}], its own scheme first."""
     device = device or default_device()
     if sequences is not None:
         if sequences <= 0:
@@ -147,6 +151,7 @@ def measure(
 
     baseline = kl_of()["kl"]["mean"]
     mods = dict(lm.named_modules())
+    dtype_bits = DTYPES[plan.dtype].bits
     rows = []
     bar = log.Progress("sensitivity", len(targets), unit="modules")
     for i, mp in enumerate(targets, 1):
@@ -154,25 +159,34 @@ def measure(
         lin = mods[mp.name]
         orig = lin.weight.data.clone()
         t0 = time.perf_counter()
-        try:
-            lin.weight.data.copy_(rtn_weight(orig, mp.scheme))
-            s = kl_of()
-        finally:
-            lin.weight.data.copy_(orig)
-        rows.append(
-            {
-                "name": mp.name,
-                "group": mp.group,
-                "method": mp.method,
-                "scheme": mp.scheme.to_json(),
-                "params": mp.in_features * mp.out_features,
-                "in_features": mp.in_features,
-                "out_features": mp.out_features,
-                "kl_mean": s["kl"]["mean"],
-                "kl_p99": s["kl"]["p99"],
-                "top1_agreement": s["top1_agreement"],
-            }
-        )
+        measured = []
+        for scheme in _variants(mp.scheme, mp.in_features, options):
+            try:
+                lin.weight.data.copy_(rtn_weight(orig, scheme))
+                s = kl_of()
+            finally:
+                lin.weight.data.copy_(orig)
+            bits = weight_storage_bits(mp.out_features, mp.in_features, scheme, dtype_bits)
+            measured.append((scheme, bits, s))
+        s = measured[0][2]
+        row = {
+            "name": mp.name,
+            "group": mp.group,
+            "method": mp.method,
+            "scheme": mp.scheme.to_json(),
+            "params": mp.in_features * mp.out_features,
+            "in_features": mp.in_features,
+            "out_features": mp.out_features,
+            "kl_mean": s["kl"]["mean"],
+            "kl_p99": s["kl"]["p99"],
+            "top1_agreement": s["top1_agreement"],
+        }
+        if options:
+            row["options"] = [
+                {"bits": sc.bits, "group_size": sc.group_size, "stored_bits": b,
+                 "kl_mean": r["kl"]["mean"]} for sc, b, r in measured
+            ]  # fmt: skip
+        rows.append(row)
         log.detail(
             f"[{i}/{len(targets)}] {mp.name}: KL {s['kl']['mean']:.4g} "
             f"({time.perf_counter() - t0:.1f} s)"
@@ -183,6 +197,8 @@ def measure(
     settings = {
         "method": "rtn min-max, one module at a time, at its group's scheme",
         "kl_mode": f"cached-top{reference_cache.DEFAULT_TOPK}+tail",
+        "tokens": ids_name,
+        "options": [list(o) for o in options],
         "sequences": int(ids.shape[0]),
         "seq_len": int(ids.shape[1]),
         "tokens_scored": int(ids.shape[0] * (ids.shape[1] - 1)),
@@ -201,70 +217,16 @@ def measure(
     return res, plan
 
 
-# ------------------------------------------------------------------ recipe upgrade
-
-
-def _bits(row: dict, scheme: ModuleScheme, dtype_bits: int) -> int:
-    return weight_storage_bits(row["out_features"], row["in_features"], scheme, dtype_bits)
-
-
-def choose_upgrades(rows: list[dict], plan: Plan, max_bits: float) -> tuple[list[dict], float]:
-    """Greedy by KL won back per extra stored bit, while the quantized weights' bits per
-    weight stay within `max_bits`. Returns (chosen rows, resulting bits per weight)."""
-    dtype_bits = DTYPES[plan.dtype].bits
-    quant = [m for m in plan.modules if m.scheme]
-    total_bits = sum(
-        weight_storage_bits(m.out_features, m.in_features, m.scheme, dtype_bits) for m in quant
-    )
-    n_weights = sum(m.in_features * m.out_features for m in quant)
-    cands = []
-    for r in rows:
-        scheme = ModuleScheme(**r["scheme"])
-        if scheme.bits >= UPGRADE_BITS:
-            continue
-        up = scheme.model_copy(update={"bits": UPGRADE_BITS})
-        extra = _bits(r, up, dtype_bits) - _bits(r, scheme, dtype_bits)
-        cands.append((r["kl_mean"] / extra, extra, r))
-    cands.sort(key=lambda c: -c[0])
-    chosen = []
-    for _gain, extra, r in cands:
-        if (total_bits + extra) / n_weights <= max_bits + 1e-12:
-            chosen.append(r)
-            total_bits += extra
-    return chosen, total_bits / n_weights
-
-
-def upgrade_recipe(recipe_data: dict, recipe: Recipe, plan: Plan, chosen: list[dict]) -> dict:
-    """A copy of the recipe (YAML data) where the `chosen` modules form new groups
-    `<group>-int8`: same method, options and scheme, 8 bits; their old groups `exclude`
-    them (and keep their roles and targets, so the rest of the recipe stays portable)."""
-    data = copy.deepcopy(recipe_data)
-    by_group: dict[str, list[str]] = {}
-    for r in chosen:
-        by_group.setdefault(r["group"], []).append(r["name"])
-    members = plan.groups()
-    groups = []
-    for g in data["groups"]:
-        names = by_group.get(g["name"])
-        if not names:
-            groups.append(g)
-            continue
-        up = copy.deepcopy(g)
-        up.pop("roles", None)
-        up.pop("exclude", None)
-        up.update(name=f"{g['name']}-int{UPGRADE_BITS}", targets=sorted(names),
-                  scheme={**g["scheme"], "bits": UPGRADE_BITS})  # fmt: skip
-        if len(names) == len(members[g["name"]]):
-            groups.append(up)  # every module moved: the old group would claim nothing
-            continue
-        groups += [{**g, "exclude": sorted({*g.get("exclude", []), *names})}, up]
-    data["groups"] = groups
-    data["name"] = f"{recipe.name}-sens{len(chosen)}"
-    data["description"] = (
-        f"{recipe.description or recipe.name}; {len(chosen)} most sensitive module(s) at "
-        f"int{UPGRADE_BITS} (qship sensitivity)"
-    )
-    return data
+def _variants(
+    scheme: ModuleScheme, width: int, options: list[tuple[int, int | None]]
+) -> list[ModuleScheme]:
+    """The module's own scheme, then each option it can take (group size divides width)."""
+    out = [scheme]
+    for bits, gs in options:
+        v = scheme.model_copy(update={"bits": bits, "group_size": gs})
+        if (gs is None or width % gs == 0) and v not in out:
+            out.append(v)
+    return out
 
 
 def run(
@@ -292,7 +254,7 @@ def run(
             hint="e.g. --max-bits 4.20 --write-recipe recipes/my-sens.yaml",
         )
     if write_recipe is not None:  # before any compute
-        _refuse_overwrite(Path(write_recipe))
+        refuse_overwrite(Path(write_recipe))
     recipe = load_recipe(recipe_path)
     ctx = runner.Context(Path(cache_dir), device=device)
     runner.check_recipe(model, recipe, ctx, show_plan=False)
@@ -317,63 +279,3 @@ def run(
     if out is not None:
         atomic_write_text(Path(out), json.dumps(res.to_json(), indent=2, sort_keys=True) + "\n")
     return res
-
-
-def _refuse_overwrite(dest: Path) -> None:
-    if dest.exists():
-        raise UsageError(
-            f"{dest} exists; qship does not overwrite recipes",
-            path=str(dest),
-            hint="choose a new file name or delete the old one",
-        )
-
-
-def write_upgraded_recipe(
-    rows: list[dict], model_dir: Path, recipe_path: Path, dest: Path, max_bits: float, model: str
-) -> dict:
-    """Write `dest`: the recipe at `recipe_path` upgraded from measured `rows` (any recipe
-    with the same schemes can reuse one measurement). It must load and plan within
-    `max_bits`, else it is removed and the error raised. Returns what was written."""
-    import yaml
-
-    from ..io.atomic import atomic_write_text
-
-    _refuse_overwrite(dest)
-    recipe = load_recipe(recipe_path)
-    plan = plan_for_dir(model_dir, recipe)
-    if max_bits < plan.bits_per_weight.quantized:
-        raise UsageError(
-            f"--max-bits {max_bits} is below the recipe's own "
-            f"{plan.bits_per_weight.quantized:.4f} bits per weight",
-            path="--max-bits",
-            hint="give a budget above the base recipe's bits per weight",
-        )
-    chosen, bpw = choose_upgrades(rows, plan, max_bits)
-    data = upgrade_recipe(yaml.safe_load(recipe_path.read_text()), recipe, plan, chosen)
-    text = (
-        f"# Written by `qship sensitivity --recipe {recipe_path} --max-bits {max_bits}` on "
-        f"{model}:\n# the base recipe with the {len(chosen)} module(s) that cost the most KL "
-        f"per extra stored bit\n# (RTN one module at a time) moved to int{UPGRADE_BITS}. "
-        "Compare it with `qship compare` before shipping.\n"
-        + yaml.safe_dump(data, sort_keys=False, width=100)
-    )
-    atomic_write_text(dest, text)
-    try:  # the written recipe must load and plan within the budget
-        got = plan_for_dir(model_dir, load_recipe(dest)).bits_per_weight.quantized
-        if got > max_bits + 1e-9:
-            raise UsageError(
-                f"the upgraded recipe plans {got:.4f} bits per weight, over --max-bits {max_bits}",
-                path=str(dest),
-            )
-    except BaseException:
-        dest.unlink(missing_ok=True)
-        raise
-    return {
-        "path": str(dest),
-        "name": data["name"],
-        "max_bits": max_bits,
-        "bits_per_weight": got,
-        "bits_per_weight_estimate": bpw,
-        "upgraded": [r["name"] for r in chosen],
-        "kl_won_back_estimate": sum(r["kl_mean"] for r in chosen),
-    }

@@ -60,8 +60,10 @@ def derive_awq_mappings(
     import torch
 
     method = {g.name: g.method for g in recipe.groups}
-    opts = {g.name: g.options.model_dump_json() for g in recipe.groups}
-    if "awq" not in method.values():
+    smoothed = {g.name for g in recipe.groups if g.smoothed}
+    # AWQ alone and AWQ scales under GPTQ rounding are different settings of one mapping
+    opts = {g.name: (g.method, g.options.model_dump_json()) for g in recipe.groups}
+    if not smoothed:
         return []
     mods = dict(model.named_modules())
     out: list[MappingPlan] = []
@@ -70,11 +72,11 @@ def derive_awq_mappings(
             involved = [*balance, *([smooth] if isinstance(mods[smooth], torch.nn.Linear) else [])]
             groups = {n: owner.get(n) for n in involved if n in owner}
             quantized = {n: g for n, g in groups.items() if g and method[g] != "none"}
-            if not any(method[g] == "awq" for g in quantized.values()):
+            if not any(g in smoothed for g in quantized.values()):
                 continue  # nothing AWQ here: not listed
             reason = ""
             non = [f"{_leaf(n)} in {g!r} ({method[g]})" for n, g in quantized.items()
-                   if method[g] != "awq"]  # fmt: skip
+                   if g not in smoothed]  # fmt: skip
             if non:
                 reason = "not all quantized layers are in AWQ groups: " + ", ".join(non[:4])
             elif len({opts[g] for g in quantized.values()}) > 1:

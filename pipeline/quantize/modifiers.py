@@ -1,8 +1,13 @@
 """The plan as llm-compressor modifiers (one calibration pass, sequential pipeline), in order:
 
-  AWQModifier (transform only) per AWQ option set, with the plan's applied mappings
+  AWQModifier (transform only) per option set of the smoothed groups (method awq, and gptq
+    with `awq_scales`), with the plan's applied mappings
   QuantizationModifier: config groups of the AWQ and RTN modules (+ the FP8 KV scheme)
   GPTQModifier per GPTQ option set: config groups of its modules
+  AutoRoundModifier per AutoRound option set: config groups of its modules
+
+AWQ only scales; the quantizing modifier after it (RTN or GPTQ) reads the scheme it searched
+the scales for. The FP8 KV scheme goes with the QuantizationModifier or the first GPTQ one.
 
 Config-group targets come from the plan's exact module sets (model.matching.compact_targets:
 one regex per group when that is exact), so what llm-compressor quantizes is what the plan
@@ -57,11 +62,13 @@ def config_groups(plan: Plan, groups: list[str]) -> dict[str, Any]:
 
 
 def _option_sets(recipe: Recipe, plan: Plan, method: str) -> dict[str, list[str]]:
+    """{options: group names} of the groups with `method` ("smoothed": AWQ's scales)."""
     present = {m.group for m in plan.modules}
     sets: dict[str, list[str]] = {}
     for g in recipe.groups:
-        if g.method == method and g.name in present:
-            sets.setdefault(g.options.model_dump_json(), []).append(g.name)
+        hit = g.smoothed if method == "smoothed" else g.method == method
+        if hit and g.name in present:
+            sets.setdefault(g.method + g.options.model_dump_json(), []).append(g.name)
     return sets
 
 
@@ -69,6 +76,7 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
     """The llm-compressor modifiers for this plan (see the module docstring)."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.modifiers.autoround import AutoRoundModifier
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQMapping, AWQModifier
@@ -80,7 +88,7 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
                               symmetric=True)  # fmt: skip
     owner = {m.name: m.group for m in plan.modules}
     mods: list[Any] = []
-    for names in _option_sets(recipe, plan, "awq").values():
+    for names in _option_sets(recipe, plan, "smoothed").values():
         opts = groups[names[0]].options
         maps = [AWQMapping(mp.smooth, list(mp.balance)) for mp in plan.applied_mappings()
                 if owner.get(mp.balance[0]) in names]  # fmt: skip
@@ -99,6 +107,8 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
     rtn_awq = [g.name for g in recipe.groups if g.method in ("awq", "rtn")]
     qm_groups = config_groups(plan, rtn_awq)
     gptq_sets = _option_sets(recipe, plan, "gptq")
+    ar_sets = _option_sets(recipe, plan, "autoround")
+    # AutoRound cannot carry the KV scheme (it takes every scheme it holds for a weight's)
     if qm_groups or (kv is not None and not gptq_sets):
         mods.append(QuantizationModifier(config_groups=qm_groups, kv_cache_scheme=kv))
         kv = None
@@ -114,4 +124,15 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
         if kv is not None:
             kw["kv_cache_scheme"], kv = kv, None
         mods.append(GPTQModifier(**kw))
+    for names in ar_sets.values():
+        opts = groups[names[0]].options
+        # AutoRound's batch must be the pipeline's (a larger calibration batch makes
+        # auto-round take the sequence for the batch axis and exit the process)
+        kw = {"config_groups": config_groups(plan, names),
+              "batch_size": recipe.calibration.batch_size}  # fmt: skip
+        if opts.iters is not None:
+            kw["iters"] = opts.iters
+        # torch.compile of the tuning loop needs a compiler toolchain on the machine; the
+        # loop is a small share of the time on models qship calibrates layer by layer
+        mods.append(AutoRoundModifier(enable_torch_compile=False, **kw))
     return mods

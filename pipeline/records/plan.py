@@ -9,7 +9,7 @@ from ..recipe import KVCache
 from .base import Record
 from .estimate import ResourceEstimate
 
-Method = Literal["awq", "gptq", "rtn", "none"]
+Method = Literal["awq", "gptq", "autoround", "rtn", "none"]
 
 
 class ModuleScheme(Record):
@@ -39,7 +39,7 @@ class ModulePlan(Record):
     group: str
     """The recipe group that claims it."""
     method: Method
-    """awq, gptq, rtn, or none (kept in 16-bit)."""
+    """awq, gptq, autoround, rtn, or none (kept in 16-bit)."""
     scheme: ModuleScheme | None
     """null: kept in the recipe's dtype."""
     in_features: int

@@ -46,6 +46,7 @@ class Context:
     offload: str = "auto"  # where the weights live (--offload); check_recipe resolves auto
     gpus: int = 0  # >0: quantize under torchrun with this many processes (--gpus)
     torchrun_args: tuple[str, ...] = ()  # rendezvous flags for several nodes
+    exact_kl: bool = False  # evaluate with the full-vocabulary KL (lockstep; no served check)
     rows: list[StageRow] = field(default_factory=list)
 
     @property
@@ -209,6 +210,8 @@ def evaluate_stage(
             "heldout": tokens.heldout_hash,
             "evaluation": ev.model_dump(mode="json"),
             "device": device_kind(ctx.device),
+            # only when set: the keys of the cached-mode entries stay as they were
+            **({"exact": True} if ctx.exact_kl else {}),
         },
     )
 
@@ -222,6 +225,7 @@ def evaluate_stage(
             batch_size=ev.batch_size, device=ctx.device, corpus_source=tokens.info.source,
             corpus_hash=tokens.info.corpus_hash, attention=ev.attention,
             measured_path=tmp / MEASURED, measured_topk=ev.measured_topk, offload=ctx.offload,
+            exact=ctx.exact_kl,
         )  # fmt: skip
         if rep.measured is not None:  # relative in the entry; the entry moves when complete
             rep = rep.model_copy(

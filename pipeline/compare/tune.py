@@ -1,0 +1,319 @@
+"""`qship tune`: bits and group sizes where they buy the most KL, within a budget.
+
+1. **measure** (cached under `tune-sensitivity/<key>`): every module the base recipe
+   quantizes, alone, rounded to its own scheme and to each option (default 4-bit g128, g64,
+   g32 and 8-bit g128, same symmetry) -- KL against the unquantized model on the first
+   calibration windows (the held-out windows stay unseen until the verification). A second
+   run with another budget reuses the measurement.
+2. **allocate**: a multiple-choice knapsack (knapsack.py) -- one option per module, least
+   predicted KL (the sum of the modules' KL) with stored bits per weight within
+   `--max-bits` (an AutoRound module keeps its group size: llm-compressor 0.14's AutoRound
+   takes one per recipe). With `--max-kl` the predicted KL is scaled by verified/predicted of the
+   last verified recipe, and the least bits meeting it are taken, verified again if needed.
+3. **write** the recipe (recipe_writer.py): the base recipe, each moved module set as its
+   own group whose targets are layer-index regexes on the module path (no model prefix, so
+   the recipe fits the family's other checkpoints of the same depth); planned again on the
+   model to prove every module gets the chosen scheme.
+4. **verify** the base and the tuned recipe end to end (`compare`: quantize with the real
+   method, evaluate on the held-out windows, exact full-vocabulary KL by default), then
+   `tune.json` and `tune.png` (predicted frontier, verified points).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from .. import log
+from ..errors import GateFailed, UsageError
+from ..records.base import Record
+from ..records.plan import ModuleScheme, Plan
+from . import knapsack
+from .recipe_writer import check_written, label, tune_header, tuned_recipe
+
+DEFAULT_OPTIONS: list[tuple[int, int | None]] = [(4, 128), (4, 64), (4, 32), (8, 128)]
+RESOLUTION = 1e-4  # bits per weight: the knapsack's unit
+MAX_ROUNDS = 3  # verifications when searching for --max-kl
+
+
+def parse_options(text: str) -> list[tuple[int, int | None]]:
+    """ "w4g128,w4g64,w8g128,w8ch" -> [(4, 128), (4, 64), (8, 128), (8, None)]."""
+    out: list[tuple[int, int | None]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"w(4|8)(?:g(\d+)|(ch))", part)
+        if not m or (m.group(2) and int(m.group(2)) <= 0):
+            raise UsageError(
+                f"--options: {part!r} is not w<bits>g<group size> or w<bits>ch",
+                path="--options",
+                hint="e.g. --options w4g128,w4g64,w4g32,w8g128 (bits 4 or 8)",
+            )
+        out.append((int(m.group(1)), int(m.group(2)) if m.group(2) else None))
+    if not out:
+        raise UsageError("--options is empty", path="--options", hint="e.g. w4g128,w8g128")
+    return out
+
+
+class TuneResult(Record):
+    recipe_path: str
+    """The recipe written."""
+    max_bits: float | None
+    max_kl: float | None
+    bits_per_weight: float
+    """Of the written recipe, as planned on the model."""
+    predicted_kl: float
+    """Sum of the modules' measured KL at their chosen options (RTN, calibration windows)."""
+    moved: dict[str, list[str]]
+    """New group -> its modules."""
+    measurement_cached: bool
+    verified: list[dict[str, Any]] = []
+    """Per verified recipe: name, bits_per_weight, kl_mean, kl_stderr, kl_mode, passed."""
+    report: str | None = None
+    met: bool | None = None
+    """Whether the verified KL is within --max-kl (None without --max-kl or verification)."""
+
+    def summary(self) -> str:
+        lines = [
+            f"wrote {self.recipe_path}: {self.bits_per_weight:.4f} bits per weight, "
+            + ", ".join(f"{g} ({len(n)})" for g, n in self.moved.items())
+        ]
+        for v in self.verified:
+            lines.append(
+                f"  {v['name']:<32} {v['bits_per_weight']:.4f} bpw  mean KL {v['kl_mean']:.4f}"
+                f" ± {v['kl_stderr']:.4f} ({v['kl_mode']})"
+            )
+        if self.report:
+            lines.append(f"report: {self.report}")
+        return "\n".join(lines)
+
+    def require_met(self) -> TuneResult:
+        if self.met is False:
+            raise GateFailed(
+                f"no recipe within the budget reached --max-kl {self.max_kl} (verified "
+                f"{self.verified[-1]['kl_mean']:.4f} at {self.bits_per_weight:.4f} bits)",
+                path=self.recipe_path,
+                hint="raise --max-bits, add options (w8g64, w4g32), or try a stronger base "
+                "method (gptq with mse scales, autoround)",
+                result=self,
+            )
+        return self
+
+
+# ------------------------------------------------------------------ allocation
+
+
+def _options(rows: list[dict], plan: Plan) -> tuple[list[str], list[list[dict]]]:
+    """(module names, each one's measured options, its own scheme first)."""
+    by = {r["name"]: r for r in rows}
+    names = [m.name for m in plan.modules if m.scheme is not None]
+    missing = [n for n in names if n not in by or "options" not in by[n]]
+    if missing:
+        raise UsageError(f"no measurement for {missing[0]} (and {len(missing) - 1} more)")
+    out = []
+    for n in names:
+        opts = by[n]["options"]
+        if by[n]["method"] == "autoround":  # one group size per recipe (quantize/plan.py)
+            opts = [o for o in opts if o["group_size"] == opts[0]["group_size"]]
+        out.append(opts)
+    return names, out
+
+
+def solve(
+    rows: list[dict], plan: Plan, top_bits: float
+) -> tuple[list[str], list[list[dict]], knapsack.Table, int]:
+    """The knapsack table up to `top_bits` bits per weight; (names, options, table, weights)."""
+    names, opts = _options(rows, plan)
+    n_weights = sum(m.in_features * m.out_features for m in plan.modules if m.scheme)
+    unit = max(1, int(n_weights * RESOLUTION))
+    items = [[knapsack.Option(o["stored_bits"], o["kl_mean"]) for o in os] for os in opts]
+    return names, opts, knapsack.solve(items, int(top_bits * n_weights), unit), n_weights
+
+
+def chosen_schemes(plan: Plan, names: list[str], opts: list[list[dict]], pick: list[int]) -> dict:
+    """{module: ModuleScheme} for the modules whose pick differs from their group's scheme."""
+    out: dict[str, ModuleScheme] = {}
+    own = {m.name: m.scheme for m in plan.modules}
+    for n, os, k in zip(names, opts, pick, strict=True):
+        s = own[n]
+        assert s is not None
+        v = s.model_copy(update={"bits": os[k]["bits"], "group_size": os[k]["group_size"]})
+        if v != s:
+            out[n] = v
+    return out
+
+
+def write_json(path: Path, data: dict) -> None:
+    from ..io.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def log_choice(picks: dict[str, ModuleScheme], bpw: float, predicted: float) -> None:
+    counts: dict[str, int] = {}
+    for s in picks.values():
+        counts[label(s)] = counts.get(label(s), 0) + 1
+    log.detail(f"tune: {bpw:.4f} bits/weight, predicted KL {predicted:.4f}, moved {counts}")
+
+
+# ------------------------------------------------------------------ the command
+
+
+def run(
+    model: str,
+    recipe_path: Path,
+    *,
+    write_recipe: Path,
+    out: Path,
+    cache_dir: Path,
+    device: str | None = None,
+    max_bits: float | None = None,
+    max_kl: float | None = None,
+    options: list[tuple[int, int | None]] | None = None,
+    sequences: int = 16,
+    verify: bool = True,
+    exact: bool = True,
+) -> TuneResult:
+    """Measure (cached), allocate, write `write_recipe`, verify into `out`."""
+    import yaml
+
+    from .. import runner
+    from ..io.cache import stage_key
+    from ..model.devices import device_kind
+    from ..quantize.plan import plan_for_dir
+    from ..recipe import load_recipe
+    from ..records.evaluation import ModelRef
+    from .recipe_writer import refuse_overwrite
+    from .sensitivity import measure
+
+    if max_bits is None and max_kl is None:
+        raise UsageError(
+            "give a budget", path="--max-bits", hint="--max-bits 4.25 and/or --max-kl 0.1"
+        )
+    if max_kl is not None and not verify:
+        raise UsageError("--max-kl is judged on verified KL", path="--no-verify",
+                         hint="drop --no-verify, or give --max-bits alone")  # fmt: skip
+    if sequences <= 0:
+        raise UsageError("--sequences must be positive", path="--sequences", hint="e.g. 16")
+    options = options or DEFAULT_OPTIONS
+    write_recipe, out, cache_dir = Path(write_recipe), Path(out), Path(cache_dir)
+    refuse_overwrite(write_recipe)
+    recipe = load_recipe(recipe_path)
+    ctx = runner.Context(cache_dir, device=device)
+    runner.check_recipe(model, recipe, ctx, show_plan=False)
+    snap = runner.fetch_stage(model, ctx)
+    tokens = runner.tokens_stage(snap, recipe, ctx)
+    plan = plan_for_dir(Path(snap.path), recipe)
+    ids = tokens.calib_ids[:sequences]
+    key = stage_key("tune-sensitivity", {
+        "model": snap.model_hash, "calib": tokens.calib_hash, "sequences": int(ids.shape[0]),
+        "schemes": [[m.name, m.scheme.to_json() if m.scheme else None] for m in plan.modules],
+        "options": [list(o) for o in options], "batch": recipe.evaluation.batch_size,
+        "device": device_kind(device),
+    })  # fmt: skip
+
+    def build(_tmp: Path) -> dict:
+        res, _ = measure(
+            ModelRef(path=snap.path, model_hash=snap.model_hash), recipe, heldout_ids=ids,
+            cache_dir=cache_dir, device=device, model_label=model, recipe_label=str(recipe_path),
+            options=options, ids_name="calibration",
+        )  # fmt: skip
+        return res.to_json()
+
+    with ctx.stage("measure", key) as line:
+        entry = ctx.cache.get_or_build("tune-sensitivity", key, build)
+        rows = entry.record["modules"]
+        line.cached = entry.hit
+        line.note = f"{len(rows)} modules x {len(options)} options on {ids.shape[0]} windows"
+
+    base_bpw = plan.bits_per_weight.quantized
+    names, opts, table, n_w = solve(rows, plan, max(max_bits or 0.0, base_bpw) + 0.5)
+    top = len(table.best) - 1
+    if max_bits is not None:
+        if int(max_bits * n_w) < table.floor_bits:
+            raise UsageError(
+                f"--max-bits {max_bits} is below {table.floor_bits / n_w:.4f}, every module at "
+                "its cheapest option", path="--max-bits", hint="raise it or add cheaper options",
+            )  # fmt: skip
+        top = table.capacity(int(max_bits * n_w))
+    predicted_base = sum(os[0]["kl_mean"] for os in opts)
+    data = yaml.safe_load(Path(recipe_path).read_text())
+    runs = out / "runs"
+    verified: list[dict] = []
+
+    def verify_one(path: Path) -> dict:
+        from .compare import compare
+
+        r = load_recipe(path)
+        res = compare(model, [path], runs / r.name, cache_dir=cache_dir, device=device, exact=exact)
+        f = json.loads((runs / r.name / "compare.json").read_text())["rows"][0]
+        v = {k: f.get(k) for k in ("name", "bits_per_weight", "kl_mean", "kl_stderr", "top1",
+                                   "ppl_ratio", "passed")}  # fmt: skip
+        ev = json.loads((runs / r.name / "recipes" / r.name / "eval.json").read_text())
+        v["kl_mode"] = ev["metrics"]["kl_mode"]
+        v["dir"] = res.best_dir or str(runs / r.name)
+        verified.append(v)
+        return v
+
+    scale = 1.0  # verified / predicted KL: the verified base calibrates the prediction
+    if verify:
+        scale = verify_one(Path(recipe_path))["kl_mean"] / max(predicted_base, 1e-12)
+    cap, met = top, None
+    stem = f"{recipe.name}-tune"
+    for _round in range(MAX_ROUNDS if max_kl is not None else 1):
+        if max_kl is not None:
+            ok = [c for c in range(top + 1) if table.best[c] * scale <= max_kl]
+            cap = ok[0] if ok else top
+        picks = chosen_schemes(plan, names, opts, table.pick(cap))
+        tuned = tuned_recipe(data, plan, picks, stem)
+        bpw = check_written(Path(snap.path), tuned, picks, plan).bits_per_weight.quantized
+        tuned["name"] = f"{stem}{bpw:.3f}"
+        text = tune_header(recipe_path, max_bits, max_kl, model) + yaml.safe_dump(
+            tuned, sort_keys=False, width=100
+        )
+        cand = out / "recipes" / f"{tuned['name']}.yaml"
+        cand.parent.mkdir(parents=True, exist_ok=True)
+        cand.write_text(text)
+        log_choice(picks, bpw, float(table.best[cap]))
+        if not verify:
+            break
+        v = verify_one(cand)
+        if max_kl is None:
+            break
+        met = v["kl_mean"] <= max_kl
+        if met or cap == top:
+            break
+        scale = v["kl_mean"] / max(float(table.best[cap]), 1e-12)  # recalibrated: more bits
+    from ..io.atomic import atomic_write_text
+
+    atomic_write_text(write_recipe, text)
+    report = None
+    if verify:
+        from .compare import collect
+
+        report = str(collect([runs], out / "report").out / "compare.html")
+    front = [(b / n_w, kl) for b, kl in knapsack.frontier(table)]
+    moved: dict[str, list[str]] = {}
+    group_of = {m.name: m.group for m in plan.modules}
+    for n, s in sorted(picks.items()):
+        moved.setdefault(f"{group_of[n]}-{label(s)}", []).append(n)
+    result = TuneResult(
+        recipe_path=str(write_recipe), max_bits=max_bits, max_kl=max_kl, bits_per_weight=bpw,
+        predicted_kl=float(table.best[cap]), moved=moved, measurement_cached=entry.hit,
+        verified=verified, report=report, met=met,
+    )  # fmt: skip
+    write_json(
+        out / "tune.json",
+        {
+            **result.to_json(),
+            "frontier_predicted": front,
+            "predicted_scale": scale,
+            "predicted_base": predicted_base,
+        },
+    )
+    from .plots import plot_tune
+
+    png = plot_tune(front, scale, verified, max_bits, max_kl)
+    if png:
+        (out / "tune.png").write_bytes(png)
+    return result
