@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline import runner  # noqa: E402
-from pipeline.compare import compare, sensitivity  # noqa: E402
+from pipeline.compare import compare, recipe_writer, sensitivity  # noqa: E402
 from pipeline.compare.rows import row_from_file  # noqa: E402
 from pipeline.recipe import load_recipe  # noqa: E402
 
@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qship")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--exact", action="store_true", help="full-vocabulary KL (slower)")
     a = ap.parse_args()
     (a.out / "recipes").mkdir(parents=True, exist_ok=True)
     # one measurement (RTN at the bases' schemes); each base gets its upgraded recipe
@@ -58,7 +59,7 @@ def main() -> int:
             print(res.summary(), f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
             continue
         snap = runner.fetch_stage(a.model, runner.Context(a.cache_dir, device=a.device))
-        w = sensitivity.write_upgraded_recipe(
+        w = recipe_writer.write_upgraded_recipe(
             rows, Path(snap.path), base, dest, a.max_bits, a.model
         )
         print(
@@ -74,7 +75,12 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             compare.compare(
-                a.model, [r], a.out / "runs" / name, cache_dir=a.cache_dir, device=a.device
+                a.model,
+                [r],
+                a.out / "runs" / name,
+                cache_dir=a.cache_dir,
+                device=a.device,
+                exact=a.exact,
             )
         except Exception as e:  # noqa: BLE001 - one failed recipe must not end the search
             traceback.print_exc()

