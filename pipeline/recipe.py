@@ -38,6 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import RecipeError
 
 Method = Literal["awq", "gptq", "autoround", "rtn", "none"]
+# the methods whose rounding depends on calibration data (rtn and none do not)
+CALIBRATED_METHODS = ("awq", "gptq", "autoround")
 DType = Literal["bfloat16", "float16", "float32"]
 
 _GPTQ_OPTIONS = {"dampening_frac", "actorder", "block_size", "awq_scales"}
@@ -306,9 +308,7 @@ class Recipe(_Strict):
         return yaml.safe_dump(self.resolved(), sort_keys=False)
 
     def needs_calibration(self) -> bool:
-        return self.kv_cache is not None or any(
-            g.method in ("awq", "gptq", "autoround") for g in self.groups
-        )
+        return self.kv_cache is not None or any(g.method in CALIBRATED_METHODS for g in self.groups)
 
     def to_json(self) -> dict:
         return {**self.resolved(), "hash": self.hash(), "path": self._path}

@@ -93,11 +93,13 @@ def tune_cmd(
         typer.Option("--max-kl", help="Verified mean KL, at most: the fewest bits that reach it."),
     ] = None,
     options: Annotated[
-        str,
+        str | None,
         typer.Option(
-            "--options", help="Schemes a module may take, e.g. w4g128,w4g64,w4g32,w8g128."
+            "--options",
+            help="Schemes a module may take, e.g. w4g128,w8g128 (default: int4 g128, g64, "
+            "g32 and int8 g128).",
         ),
-    ] = "w4g128,w4g64,w4g32,w8g128",
+    ] = None,
     sequences: Annotated[
         int, typer.Option("--sequences", help="Calibration windows the sensitivity is measured on.")
     ] = 16,
@@ -116,6 +118,7 @@ def tune_cmd(
     from ..compare.tune import parse_options, run
 
     res = run(model, recipe, write_recipe=write_recipe, out=out, cache_dir=cache_root(cache_dir),
-              device=device, max_bits=max_bits, max_kl=max_kl, options=parse_options(options),
+              device=device, max_bits=max_bits, max_kl=max_kl,
+              options=parse_options(options) if options is not None else None,
               sequences=sequences, verify=verify, exact=exact)  # fmt: skip
     return res.require_met()

@@ -190,19 +190,23 @@ def label(s: ModuleScheme) -> str:
     return f"w{s.bits}g{s.group_size or 'ch'}"
 
 
-def tuned_recipe(data: dict, plan: Plan, picks: dict[str, ModuleScheme], name: str) -> dict:
-    """The base recipe's YAML data with the `picks` moved to groups `<group>-<w8g128>`."""
-    out = copy.deepcopy(data)
+def tuned_moves(
+    plan: Plan, picks: dict[str, ModuleScheme]
+) -> dict[str, dict[str, tuple[dict, list[str]]]]:
+    """{base group: {`<group>-<w8g128>`: (scheme changes, modules)}} for the `picks`."""
     group_of = {m.name: m.group for m in plan.modules}
     moves: dict[str, dict[str, tuple[dict, list[str]]]] = {}
     for n, sc in sorted(picks.items()):
         g = group_of[n]
-        new = f"{g}-{label(sc)}"
-        moves.setdefault(g, {}).setdefault(
-            new, ({"bits": sc.bits, "group_size": sc.group_size}, [])
-        )[1].append(n)
-    groups = _regroup(out["groups"], plan, moves, portable_targets)
-    out["groups"] = groups
+        change = {"bits": sc.bits, "group_size": sc.group_size}
+        moves.setdefault(g, {}).setdefault(f"{g}-{label(sc)}", (change, []))[1].append(n)
+    return moves
+
+
+def tuned_recipe(data: dict, plan: Plan, picks: dict[str, ModuleScheme], name: str) -> dict:
+    """The base recipe's YAML data with the `picks` moved to groups `<group>-<w8g128>`."""
+    out = copy.deepcopy(data)
+    out["groups"] = _regroup(out["groups"], plan, tuned_moves(plan, picks), portable_targets)
     out["name"] = name
     out["description"] = (
         f"{data.get('description') or data['name']}; {len(picks)} module(s) at other bits / "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def measure(
     batch_size: int | None = None,
     model_label: str | None = None,
     recipe_label: str | None = None,
-    options: list[tuple[int, int | None]] = (),  # type: ignore[assignment]
+    options: Sequence[tuple[int, int | None]] = (),
     ids_name: str = "held-out",
 ) -> tuple[Sensitivity, Plan]:
     """KL of the model with one module at a time rounded to its group's scheme; with
@@ -218,7 +219,7 @@ def measure(
 
 
 def _variants(
-    scheme: ModuleScheme, width: int, options: list[tuple[int, int | None]]
+    scheme: ModuleScheme, width: int, options: Sequence[tuple[int, int | None]]
 ) -> list[ModuleScheme]:
     """The module's own scheme, then each option it can take (group size divides width)."""
     out = [scheme]

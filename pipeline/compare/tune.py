@@ -31,7 +31,7 @@ from ..errors import GateFailed, UsageError
 from ..records.base import Record
 from ..records.plan import ModuleScheme, Plan
 from . import knapsack
-from .recipe_writer import check_written, label, tune_header, tuned_recipe
+from .recipe_writer import check_written, label, tune_header, tuned_moves, tuned_recipe
 
 DEFAULT_OPTIONS: list[tuple[int, int | None]] = [(4, 128), (4, 64), (4, 32), (8, 128)]
 RESOLUTION = 1e-4  # bits per weight: the knapsack's unit
@@ -143,12 +143,6 @@ def chosen_schemes(plan: Plan, names: list[str], opts: list[list[dict]], pick: l
     return out
 
 
-def write_json(path: Path, data: dict) -> None:
-    from ..io.atomic import atomic_write_text
-
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
 def log_choice(picks: dict[str, ModuleScheme], bpw: float, predicted: float) -> None:
     counts: dict[str, int] = {}
     for s in picks.values():
@@ -178,6 +172,7 @@ def run(
     import yaml
 
     from .. import runner
+    from ..io.atomic import atomic_write_text
     from ..io.cache import stage_key
     from ..model.devices import device_kind
     from ..quantize.plan import plan_for_dir
@@ -243,14 +238,15 @@ def run(
 
     def verify_one(path: Path) -> dict:
         from .compare import compare
+        from .rows import EVAL_FILE, read_eval_file, row
 
         r = load_recipe(path)
         res = compare(model, [path], runs / r.name, cache_dir=cache_dir, device=device, exact=exact)
-        f = json.loads((runs / r.name / "compare.json").read_text())["rows"][0]
-        v = {k: f.get(k) for k in ("name", "bits_per_weight", "kl_mean", "kl_stderr", "top1",
-                                   "ppl_ratio", "passed")}  # fmt: skip
-        ev = json.loads((runs / r.name / "recipes" / r.name / "eval.json").read_text())
-        v["kl_mode"] = ev["metrics"]["kl_mode"]
+        ev = read_eval_file(runs / r.name / "recipes" / r.name / EVAL_FILE)
+        f = row(ev)
+        v = {k: f[k] for k in ("name", "bits_per_weight", "kl_mean", "kl_stderr", "top1",
+                               "ppl_ratio", "passed")}  # fmt: skip
+        v["kl_mode"] = ev.metrics.kl_mode
         v["dir"] = res.best_dir or str(runs / r.name)
         verified.append(v)
         return v
@@ -284,8 +280,6 @@ def run(
         if met or cap == top:
             break
         scale = v["kl_mean"] / max(float(table.best[cap]), 1e-12)  # recalibrated: more bits
-    from ..io.atomic import atomic_write_text
-
     atomic_write_text(write_recipe, text)
     report = None
     if verify:
@@ -293,23 +287,20 @@ def run(
 
         report = str(collect([runs], out / "report").out / "compare.html")
     front = [(b / n_w, kl) for b, kl in knapsack.frontier(table)]
-    moved: dict[str, list[str]] = {}
-    group_of = {m.name: m.group for m in plan.modules}
-    for n, s in sorted(picks.items()):
-        moved.setdefault(f"{group_of[n]}-{label(s)}", []).append(n)
+    moved = {new: ns for g in tuned_moves(plan, picks).values() for new, (_c, ns) in g.items()}
     result = TuneResult(
         recipe_path=str(write_recipe), max_bits=max_bits, max_kl=max_kl, bits_per_weight=bpw,
         predicted_kl=float(table.best[cap]), moved=moved, measurement_cached=entry.hit,
         verified=verified, report=report, met=met,
     )  # fmt: skip
-    write_json(
+    extra = {
+        "frontier_predicted": front,
+        "predicted_scale": scale,
+        "predicted_base": predicted_base,
+    }
+    atomic_write_text(
         out / "tune.json",
-        {
-            **result.to_json(),
-            "frontier_predicted": front,
-            "predicted_scale": scale,
-            "predicted_base": predicted_base,
-        },
+        json.dumps({**result.to_json(), **extra}, indent=2, sort_keys=True) + "\n",
     )
     from .plots import plot_tune
 

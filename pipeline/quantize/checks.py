@@ -18,7 +18,7 @@ import torch
 from ..errors import StageError
 from ..model.checkpoint import CheckpointInspection, inspect_checkpoint
 from ..model.loading import load_model
-from ..recipe import Recipe
+from ..recipe import CALIBRATED_METHODS, Recipe
 from ..records.plan import Plan
 
 HINT = "report this as a bug with the recipe; the checkpoint was not kept"
@@ -64,7 +64,7 @@ def check_expert_tokens(
     would otherwise be saved with scales from no data (NaN or zero)."""
     need = recipe.calibration.min_expert_tokens
     data = {m.name.rsplit(".", 1)[0] for m in plan.modules if m.role == "experts"
-            and m.method in ("gptq", "awq", "autoround")}  # fmt: skip
+            and m.method in CALIBRATED_METHODS}  # fmt: skip
     starved = sorted(((n, c) for n, c in counts.items() if n in data and c < need),
                      key=lambda nc: (nc[1], nc[0]))  # the emptiest first  # fmt: skip
     if starved:
