@@ -8,13 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from test_quantize import _mean_kl
 from transformers import AutoTokenizer
 
 from pipeline.data.tokens import build_token_sets
-from pipeline.errors import RecipeError
 from pipeline.quantize import quantize
-from pipeline.quantize.plan import plan_for_dir
 from pipeline.recipe import Recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,19 +66,40 @@ def test_autoround_and_awq_scales_beat_rtn(run):
     assert kl_ar < 0.9 * kl_rtn and kl_awq < 0.9 * kl_rtn
 
 
-def test_autoround_takes_other_bits_but_one_group_size(tiny_llama):
-    r = _variant("ar-mixed", "autoround", {"iters": 5})
-    d = r.model_dump(mode="json")
-    up = {**d["groups"][0], "name": "up", "roles": [],
-          "targets": ["re:.*layers\\.0\\.mlp\\.down_proj$"]}  # fmt: skip
-    d["groups"][0]["exclude"] = ["re:.*layers\\.0\\.mlp\\.down_proj$"]
-    d["groups"].insert(1, up)
-    up["scheme"] = {**up["scheme"], "bits": 8}
-    plan = plan_for_dir(tiny_llama, Recipe.model_validate(d))  # other bits: planned
-    assert {m.scheme.bits for m in plan.modules if m.scheme} == {4, 8}
-    up["scheme"] = {**up["scheme"], "bits": 4, "group_size": 64}
-    with pytest.raises(RecipeError, match="one group size"):
-        plan_for_dir(tiny_llama, Recipe.model_validate(d))
+def test_autoround_tunes_each_module_at_its_own_scheme(tiny_llama, tmp_path):
+    """An AutoRound recipe with an int8 module and a g64 one, and a GPTQ g64 module in the
+    same decoder layer: each is stored at the scheme its group asked for. (llm-compressor
+    0.14's AutoRound alone tuned the int8 module at int4 -- 17 levels stored in 8 bits --
+    and failed on the g64 ones; quantize/modifiers.py mends it.)"""
+    from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+    from safetensors.torch import load_file
+
+    d = _variant("ar-mixed", "autoround", {"iters": 5}).model_dump(mode="json")
+    base = d["groups"][0]
+    moved = {"layers.0.mlp.down_proj": ("autoround", 8, 128),
+             "layers.1.mlp.down_proj": ("autoround", 4, 64),
+             "layers.0.mlp.up_proj": ("gptq", 4, 64)}  # fmt: skip
+    for i, (name, (method, bits, gs)) in enumerate(moved.items()):
+        rx = f"re:.*{name.replace('.', chr(92) + '.')}$"
+        base.setdefault("exclude", []).append(rx)
+        d["groups"].insert(1, {**base, "name": f"m{i}", "roles": [], "targets": [rx], "exclude": [],
+                               "method": method, "options": {} if method == "gptq" else base["options"],
+                               "scheme": {**base["scheme"], "bits": bits, "group_size": gs}})  # fmt: skip
+    r = Recipe.model_validate(d)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ts = build_token_sets(tok, r.calibration, r.evaluation, cache_dir=tmp_path / "cache")
+    q = quantize(tiny_llama, r, tmp_path / "q", tokens=ts, device="cpu")
+    planned = {
+        m.name: (m.method, m.scheme.bits, m.scheme.group_size) for m in q.plan.modules if m.scheme
+    }
+    sd = load_file(str(q.path / "model.safetensors"))
+    for name, want in [*moved.items(), ("layers.1.mlp.up_proj", ("autoround", 4, 128))]:
+        n = f"model.{name}"
+        assert planned[n] == want
+        shape = torch.Size(sd[f"{n}.weight_shape"].tolist())
+        assert sd[f"{n}.weight_scale"].shape == (shape[0], shape[1] // want[2])
+        levels = unpack_from_int32(sd[f"{n}.weight_packed"], want[1], shape)[0].unique().numel()
+        assert (levels > 16) == (want[1] == 8), (name, levels)
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,7 @@
    run with another budget reuses the measurement.
 2. **allocate**: a multiple-choice knapsack (knapsack.py) -- one option per module, least
    predicted KL (the sum of the modules' KL) with stored bits per weight within
-   `--max-bits` (an AutoRound module keeps its group size: llm-compressor 0.14's AutoRound
-   takes one per recipe). With `--max-kl` the predicted KL is scaled by verified/predicted of the
+   `--max-bits`. With `--max-kl` the predicted KL is scaled by verified/predicted of the
    last verified recipe, and the least bits meeting it are taken, verified again if needed.
 3. **write** the recipe (recipe_writer.py): the base recipe, each moved module set as its
    own group whose targets are layer-index regexes on the module path (no model prefix, so
@@ -110,13 +109,7 @@ def _options(rows: list[dict], plan: Plan) -> tuple[list[str], list[list[dict]]]
     missing = [n for n in names if n not in by or "options" not in by[n]]
     if missing:
         raise UsageError(f"no measurement for {missing[0]} (and {len(missing) - 1} more)")
-    out = []
-    for n in names:
-        opts = by[n]["options"]
-        if by[n]["method"] == "autoround":  # one group size per recipe (quantize/plan.py)
-            opts = [o for o in opts if o["group_size"] == opts[0]["group_size"]]
-        out.append(opts)
-    return names, out
+    return names, [by[n]["options"] for n in names]
 
 
 def solve(

@@ -4,7 +4,8 @@
     with `awq_scales`), with the plan's applied mappings
   QuantizationModifier: config groups of the AWQ and RTN modules (+ the FP8 KV scheme)
   GPTQModifier per GPTQ option set: config groups of its modules
-  AutoRoundModifier per AutoRound option set: config groups of its modules
+  AutoRoundModifier (mended: autoround_modifier.py) per AutoRound option set: config groups
+    of its modules
 
 AWQ only scales; the quantizing modifier after it (RTN or GPTQ) reads the scheme it searched
 the scales for. The FP8 KV scheme goes with the QuantizationModifier or the first GPTQ one.
@@ -22,6 +23,7 @@ from typing import Any
 from ..model.matching import compact_targets
 from ..recipe import Recipe
 from ..records.plan import ModuleScheme, Plan
+from .autoround_modifier import autoround_modifier_class
 
 
 def qargs(scheme: ModuleScheme) -> dict[str, Any]:
@@ -76,7 +78,6 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
     """The llm-compressor modifiers for this plan (see the module docstring)."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs
-    from llmcompressor.modifiers.autoround import AutoRoundModifier
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQMapping, AWQModifier
@@ -134,5 +135,5 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
             kw["iters"] = opts.iters
         # torch.compile of the tuning loop needs a compiler toolchain on the machine; the
         # loop is a small share of the time on models qship calibrates layer by layer
-        mods.append(AutoRoundModifier(enable_torch_compile=False, **kw))
+        mods.append(autoround_modifier_class()(enable_torch_compile=False, **kw))
     return mods

@@ -115,7 +115,6 @@ def build_plan(model: Any, recipe: Recipe, structure: Structure | None = None) -
         n = sum(m.in_features * m.out_features for m in ms)
         return sum(m.bits_per_weight * m.in_features * m.out_features for m in ms) / n if n else 0.0
 
-    _one_autoround_group_size(q, recipe)
     mappings = derive_awq_mappings(model, structure, claims.owner, recipe)
     notes = list(structure.notes)
     skipped = [m for m in mappings if not m.applied]
@@ -168,21 +167,3 @@ def plan_for_config(config: Any, recipe: Recipe) -> Plan:
 
 def plan_for_dir(model_dir: Path, recipe: Recipe) -> Plan:
     return build_plan(load_meta_model(model_dir), recipe)
-
-
-def _one_autoround_group_size(modules: list[ModulePlan], recipe: Recipe) -> None:
-    """llm-compressor 0.14's AutoRound takes one group size for every module it tunes (it
-    shapes each module's scales by the first scheme's): several would fail mid-run."""
-    sizes: dict[int | None, str] = {}
-    for m in modules:
-        if m.method == "autoround" and m.scheme is not None:
-            sizes.setdefault(m.scheme.group_size, m.name)
-    if len(sizes) > 1:
-        (a, na), (b, nb) = list(sizes.items())[:2]
-        raise RecipeError(
-            f"field `groups`: AutoRound modules with group sizes {a} ({na}) and {b} ({nb}): "
-            "llm-compressor 0.14's AutoRound supports one group size per recipe (bits may differ)",
-            path=recipe.path,
-            hint="give every autoround group the same group_size (and a width it divides), or "
-            "quantize the other group sizes with gptq",
-        )

@@ -1,0 +1,66 @@
+"""llm-compressor 0.14's AutoRoundModifier, mended where qship's recipes meet it.
+
+- It matches its targets against names relative to the decoder layer, which qship's
+  full-name targets never meet, so no per-module scheme reached auto-round: an int8 module
+  was tuned and stored at int4 (17 levels in 8 bits), a g64 one failed to fit its scales
+  ("shape '[384, 2]' is invalid"). Here the targets are resolved on the whole model and
+  matched by identity.
+- It ignores only its own unquantized targets, so it re-tuned at its default scheme a
+  Linear that another modifier owns (GPTQ at another group size) or none does (a router).
+  Here every other Linear of the layer is left alone.
+- Its tuning loop runs the layer hundreds of times with the other modifiers' hooks live
+  (GPTQ's Hessians, the KV scale observers), and casts the layer to its tuning dtype.
+  Here the hooks are off during the loop, and the modules it left take its dtype.
+
+Tested in tests/test_methods.py (each module stored at its group's scheme).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+
+@functools.cache
+def autoround_modifier_class() -> Any:
+    """The mended AutoRoundModifier subclass (built on first use: llm-compressor is heavy)."""
+    import torch
+    from compressed_tensors.utils import match_named_modules
+    from llmcompressor.modifiers.autoround import AutoRoundModifier as _AutoRoundModifier
+    from llmcompressor.modifiers.utils.hooks import HooksMixin
+    from pydantic import PrivateAttr
+
+    # the same class name: llm-compressor's sequential pipeline turns error propagation off
+    # for a modifier whose type is named AutoRoundModifier
+    class AutoRoundModifier(_AutoRoundModifier):
+        _own: Any = PrivateAttr(default=None)
+
+        def _match_autoround_targets(self, model: Any) -> set[Any]:
+            return {m for m in model.modules() if m in self._own}
+
+        def get_unquantized_layer_names(self, wrapped_model: Any) -> list[str]:
+            # exact names in auto-round's wrapper (a bare name is matched as a substring)
+            return [
+                f"model.layers.0.{n}"
+                for n, m in wrapped_model.named_modules()
+                if isinstance(m, torch.nn.Linear) and m not in self._own
+            ]
+
+        def apply_autoround(self, state: Any, modules: Any) -> None:
+            if self._own is None:
+                found = match_named_modules(state.model, self.resolved_targets, self.ignore)
+                self._own = weakref.WeakSet(m for _, m in found)
+            with HooksMixin.disable_hooks():
+                super().apply_autoround(state, modules)
+            # auto-round leaves the weights it tuned in its tuning dtype; the Linears it
+            # left alone follow, so the layer hands the next one a single dtype
+            for layer in modules or []:
+                mods = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+                tuned = [m.weight.dtype for m in mods if m in self._own]
+                for m in mods if tuned else []:
+                    for p in (m.weight, m.bias):
+                        if m not in self._own and p is not None and p.dtype != tuned[0]:
+                            p.data = p.data.to(tuned[0])
+
+    return AutoRoundModifier
