@@ -14,7 +14,12 @@
 #   moe       in the background: a random Qwen3-30B-A3B-shaped model (MOE_LAYERS of its 48
 #             layers), bench/scale_bench.py quantize (weights on the GPU, then --offload cpu)
 #             and the KL -> $S/moe.log
-#   collect   what has finished, into $OUT (WAIT=1: until both jobs are done)
+#   artune    in the background, two jobs at once: `qship tune` at 4.25 bpw on the AutoRound
+#             base for Gemma, then its benchmark subsets beside gptq-w4 (artune_gemma.log); Qwen's
+#             gptq-w4 and `qship tune` within its bits on the GPTQ and the AutoRound bases
+#             (artune_qwen.log)
+#   collect   what has finished, into $OUT: results.tgz and the logs' tails (WAIT=1: until
+#             the JOBS, default "frontier moe", are done)
 set -uo pipefail
 S=/root/stash
 OUT=${OUT:-/tmp/out}
@@ -25,33 +30,50 @@ QG=$S/qwen.gguf
 L=.qship-gpu/recipes
 Q="python3 -m pipeline.cli"
 
-frontier() {
+notask() {  # the task-free shipped recipes in $N
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
-  [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
-  # the shipped recipes without their benchmark tasks (KL only here; tasks at the end)
   N=$S/notask
   python3 bench/frontier_session.py notask "$N" $L/gptq-w4.yaml $L/gptq-w4a-mse-sens6.yaml
   mkdir -p "$S/tuned"
-  levers() {  # one recipe at a time (finished ones are skipped: a rerun resumes)
-    python3 bench/recipe_search.py --model "$G" --out "$S/lev" --cache-dir "$S/cache" --device cuda --exact --recipes "$@"
-  }
-  tune_gemma() {  # BASE: qship tune at 4.25 bits per weight
-    $Q tune --model "$G" --recipe $L/$1.yaml --max-bits 4.25 --write-recipe "$S/tuned/gemma-$1.yaml" \
-      --out "$S/tune-gemma-$1" --cache-dir "$S/cache" --device cuda --json > "$S/tune-gemma-$1.json"
-    echo "== tune gemma $1 rc $?"
-  }
+}
+gemma() {  # the GGUF joined
+  notask
+  [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
+}
+qwen() {  # waits for the last part
+  notask
+  while [ ! -f "$S/qwen/part.ok" ]; do sleep 5; done
+  [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
+  mkdir -p "$S/tuned"
+}
+levers() {  # one recipe at a time (finished ones are skipped: a rerun resumes)
+  python3 bench/recipe_search.py --model "$G" --out "$S/lev" --cache-dir "$S/cache" --device cuda --exact --recipes "$@"
+}
+tune_gemma() {  # BASE: qship tune at 4.25 bits per weight
+  $Q tune --model "$G" --recipe $L/$1.yaml --max-bits 4.25 --write-recipe "$S/tuned/gemma-$1.yaml" \
+    --out "$S/tune-gemma-$1" --cache-dir "$S/cache" --device cuda --json > "$S/tune-gemma-$1.json"
+  echo "== tune gemma $1 rc $?"
+}
+qwen_gptq_w4() {  # Qwen's gptq-w4 (the anchor), echoes its bits per weight
+  python3 bench/recipe_search.py --model "$QG" --out "$S/levq" --cache-dir "$S/cacheq" --device cuda --exact \
+    --recipes "$S/notask/gptq-w4.yaml" >&2
+  python3 -c "import json;print(min(r['bits_per_weight'] for r in json.load(open('$S/levq/runs/gptq-w4/compare.json'))['rows']))"
+}
+tune_qwen() {  # BASE MAX_BITS OPTIONS
+  $Q tune --model "$QG" --recipe $L/$1.yaml --max-bits "$2" --options "$3" --write-recipe "$S/tuned/qwen-$1.yaml" \
+    --out "$S/tune-qwen-$1" --cache-dir "$S/cacheq" --device cuda --json > "$S/tune-qwen-$1.json"
+  echo "== tune qwen $1 rc $? (max-bits $2)"
+}
+
+frontier() {  # the session of 2026-12-04 16:17 (bench/RESULTS.md "The quality frontier")
+  gemma
   # 1. the three bases (the first run fetches and builds the reference), then tune on the winner
   levers $N/gptq-w4.yaml $L/gptq-w4a-mse.yaml $L/autoround-w4a.yaml $L/gptq-w4a-mse-awq.yaml
   tune_gemma autoround-w4a
   # 2. Qwen2.5-Coder-0.5B: gptq-w4, then tune within gptq-w4's bits (cheaper options allowed)
-  while [ ! -f "$S/qwen/part.ok" ]; do sleep 5; done
-  [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
-  python3 bench/recipe_search.py --model "$QG" --out "$S/levq" --cache-dir "$S/cache" --device cuda --exact \
-    --recipes $N/gptq-w4.yaml
-  MB=$(python3 -c "import json;print(min(r['bits_per_weight'] for r in json.load(open('$S/levq/runs/gptq-w4/compare.json'))['rows']))")
-  $Q tune --model "$QG" --recipe $L/${QWEN_BASE:-gptq-w4a-mse}.yaml --max-bits "$MB" --options w4g128,w4g256,w4g64,w4g32,w8g128 \
-    --write-recipe "$S/tuned/qwen.yaml" --out "$S/tune-qwen" --cache-dir "$S/cache" --device cuda --json > "$S/tune-qwen.json"
-  echo "== tune qwen rc $? (max-bits $MB)"
+  qwen
+  MB=$(qwen_gptq_w4)
+  tune_qwen "${QWEN_BASE:-gptq-w4a-mse}" "$MB" w4g128,w4g256,w4g64,w4g32,w8g128
   # 3. the other levers, the GPTQ base tuned, the rotation
   levers $N/gptq-w4a-mse-sens6.yaml $L/gptq-w4a-mse-ao-group.yaml $L/gptq-w4a-mse-ao-weight.yaml \
     $L/gptq-w4a-mse-bs32.yaml $L/gptq-w4a-minmax.yaml $L/gptq-w4a-mse-g64.yaml $L/gptq-w4a-mse-damp10.yaml
@@ -60,9 +82,29 @@ frontier() {
   python3 bench/rotation_lever.py --model "$G" --recipe $L/gptq-w4a-mse.yaml --out "$S/rot" --cache-dir "$S/cache" --device cuda
   echo "== rotation done"
   # 4. benchmark subsets: gptq-w4 and the tuned recipe, paired drops
-  python3 bench/frontier_session.py tasks "$S/bench" "$N/gptq-w4.yaml" "$S/tuned/gemma-autoround-w4a.yaml"
+  bench_tasks "$S/tuned/gemma-autoround-w4a.yaml"
+}
+
+bench_tasks() {  # TUNED: six benchmark subsets, gptq-w4 beside the tuned recipe
+  python3 bench/frontier_session.py tasks "$S/bench" "$S/notask/gptq-w4.yaml" "$1"
   $Q compare --model "$G" --recipes "$S"/bench/*.yaml --out "$S/bench-cmp" --cache-dir "$S/cache" --device cuda --json > "$S/bench-cmp.json"
   echo "== benchmarks rc $?"
+}
+
+# AutoRound with per-module schemes (quantize/autoround_modifier.py): `qship tune` on the
+# AutoRound base, Gemma and Qwen in parallel (two small models share the H200 well)
+artune_gemma() {
+  gemma
+  tune_gemma autoround-w4a
+  bench_tasks "$S/tuned/gemma-autoround-w4a.yaml"
+}
+artune_qwen() {
+  qwen
+  MB=$(qwen_gptq_w4)
+  echo "== qwen gptq-w4 at $MB bits"
+  for b in ${QWEN_BASES:-gptq-w4a-mse autoround-w4a}; do
+    tune_qwen "$b" "$MB" w4g128,w4g64,w4g32,w8g128,w4ch
+  done
 }
 
 moe() {
@@ -99,18 +141,27 @@ moe)
   setsid nohup bash -c "bash bench/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
   ;;
 run-moe) moe ;;
-collect)
-  if [ "${WAIT:-0}" = 1 ]; then while [ ! -f "$S/frontier.done" ] || [ ! -f "$S/moe.done" ]; do sleep 5; done; fi
-  grep -E "^==|^✗|Error|error:|^wrote|bpw  mean KL|^[a-z0-9-]+ +bits " "$S/frontier.log" 2>/dev/null | tail -60
-  grep -E "^==|^\{|Error|error" "$S/moe.log" 2>/dev/null | tail -12
-  # flat: the device hands back folders only a few levels deep
-  for f in $(cd "$S" && find lev levq rot bench-cmp tune-* tuned -name "eval.json" -o -name "tune.json" \
-      -o -name "*.yaml" -o -name "compare.json" -o -name "compare.md" 2>/dev/null | grep -v "/cache/"); do
-    cp "$S/$f" "$OUT/$(echo "$f" | sed "s,/,__,g")"
+artune)  # both jobs at once; `collect` with WAIT=1 waits for both
+  for j in artune_gemma artune_qwen; do
+    setsid nohup env QWEN_BASES="${QWEN_BASES:-gptq-w4a-mse autoround-w4a}" bash -c "bash bench/frontier_session.sh run-$j > $S/$j.log 2>&1; touch $S/$j.done" > /dev/null 2>&1 &
   done
-  cp "$S"/*.json "$S"/scale-moe/*.json "$OUT/" 2>/dev/null
-  grep -v "Warning\|warn(\|it/s\]\|s/it\]" "$S/frontier.log" 2>/dev/null | tail -400 > "$OUT/frontier_tail.log"
+  ;;
+run-artune_gemma) artune_gemma ;;
+run-artune_qwen) artune_qwen ;;
+collect)
+  if [ "${WAIT:-0}" = 1 ]; then
+    for j in ${JOBS:-frontier moe}; do while [ ! -f "$S/$j.done" ]; do sleep 5; done; done
+  fi
+  for j in ${JOBS:-frontier}; do
+    echo "## $j"; grep -E "^==|^✗|Error|error:|^wrote|bpw  mean KL|^[a-z0-9-]+ +bits " "$S/$j.log" 2>/dev/null | tail -40
+    grep -v "Warning\|warn(\|it/s\]\|s/it\]" "$S/$j.log" 2>/dev/null | tail -400 > "$OUT/${j}_tail.log"
+  done
+  grep -E "^==|^\{|Error|error" "$S/moe.log" 2>/dev/null | tail -12
   grep -v "Warning\|warn(\|it/s\]\|s/it\]" "$S/moe.log" 2>/dev/null | tail -200 > "$OUT/moe_tail.log"
+  # one tarball: the device hands back a few files, folders only a few levels deep
+  (cd "$S" && find lev levq rot bench-cmp tune-* tuned scale-moe \( -name "eval.json" -o -name "tune.json" \
+      -o -name "*.yaml" -o -name "compare.json" -o -name "compare.md" -o -name "tune.png" -o -name "scale_*.json" \) \
+      2>/dev/null | grep -v "/cache/" | tar czf "$OUT/results.tgz" -T - ./*.json 2>/dev/null)
   nvidia-smi --query-gpu=memory.used --format=csv,noheader; free -g | head -2
   ;;
 esac

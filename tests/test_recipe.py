@@ -29,6 +29,7 @@ EXPECTED = {
     "w8-int8",
     "gptq-w4a-mse-sens6",
     "gptq-w4a-mse-tuned",
+    "gptq-w4a-mse-tuned-qwen",
     "gptq-w4a-mse",
     "autoround-w4a",
 }
@@ -308,3 +309,26 @@ def test_cli_usage_errors_exit_2(capsys):
     assert rc == 2 and err["error"] == "MissingParameter" and "--recipe" in err["message"]
     rc, err = qship(capsys, "run", "--no-such-option")
     assert rc == 2, err
+
+
+def test_tuned_qwen_recipe_plans_as_tune_chose_within_gptq_w4_bits():
+    """`qship tune` within gptq-w4's bits on Qwen2.5-Coder-0.5B (bench/RESULTS.md): on a
+    config of its shape, 96 of its 168 decoder Linears moved, per channel paying for g64 /
+    g32 / int8, at no more bits per weight than gptq-w4."""
+    from collections import Counter
+
+    from transformers import AutoConfig
+
+    from pipeline.quantize.plan import plan_for_config
+
+    cfg = AutoConfig.for_model(
+        "qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    plan = plan_for_config(cfg, load_recipe(ROOT / "recipes" / "gptq-w4a-mse-tuned-qwen.yaml"))
+    anchor = plan_for_config(cfg, load_recipe(ROOT / "recipes" / "gptq-w4.yaml"))
+    assert 4.118 < plan.bits_per_weight.quantized <= anchor.bits_per_weight.quantized < 4.1251
+    q = [m for m in plan.modules if m.scheme]
+    kinds = Counter((m.scheme.bits, m.scheme.group_size) for m in q)
+    assert kinds == {(4, 128): 72, (4, None): 42, (4, 32): 29, (4, 64): 19, (8, 128): 6}, kinds
