@@ -178,6 +178,22 @@ def test_html_self_contained_and_pngs_valid(evals, tmp_path):
         _check_png(data)
 
 
+def test_report_without_matplotlib_keeps_tables_and_drops_figures(evals, tmp_path, monkeypatch):
+    """A bare GPU host: every table and the HTML page, no PNG, no error; tune's figure too."""
+    import sys
+
+    from pipeline.compare.plots import plot_tune
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    write_report([row(e) for e in evals], tmp_path)
+    assert all((tmp_path / f).is_file() for f in REPORT_FILES if not f.endswith(".png"))
+    assert not list(tmp_path.glob("*.png"))
+    p = _Refs()
+    p.feed((tmp_path / "compare.html").read_text())
+    assert not p.imgs
+    assert plot_tune([(4.1, 0.5), (4.2, 0.4)], 0.3, [], 4.25, None) is None
+
+
 def test_report_is_deterministic(evals, tmp_path):
     rows = [row(e) for e in evals]
     write_report(rows, tmp_path / "a")

@@ -25,11 +25,8 @@ def write_report(rows: list[dict], out_dir: Path) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = summarise_rows(rows)
-    try:
-        images = {"pareto": plot_pareto(report), "kl_distribution": plot_kl_distribution(report),
-                  "task_drop_vs_kl": plot_task_drops(report)}  # fmt: skip
-    except ImportError:  # no matplotlib (a bare GPU host): the tables without the figures
-        images = {"pareto": None, "kl_distribution": None, "task_drop_vs_kl": None}
+    images = {"pareto": plot_pareto(report), "kl_distribution": plot_kl_distribution(report),
+              "task_drop_vs_kl": plot_task_drops(report)}  # fmt: skip
     for key, png in images.items():
         if png:
             atomic_write_bytes(out_dir / f"{key}.png", png)

@@ -1,12 +1,30 @@
 """The comparison's figures: bits per weight vs mean KL (with the Pareto front), the
-per-token KL distribution of each recipe, and each benchmark's accuracy drop vs mean KL.
-PNG bytes, deterministic (no timestamp)."""
+per-token KL distribution of each recipe, each benchmark's accuracy drop vs mean KL, and
+`qship tune`'s frontier. PNG bytes, deterministic (no timestamp); None without matplotlib
+(a bare GPU host): the tables and JSON carry the same figures."""
 
 from __future__ import annotations
 
+import functools
 import io
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+
+
+def _figure(fn: Callable[..., bytes | None]) -> Callable[..., bytes | None]:
+    """A figure function that returns None when matplotlib is not installed."""
+
+    @functools.wraps(fn)
+    def draw(*args: Any, **kwargs: Any) -> bytes | None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return None
+        return fn(*args, **kwargs)
+
+    return draw
 
 
 def _figure_png(fig) -> bytes:
@@ -27,6 +45,7 @@ def _plt():
     return plt
 
 
+@_figure
 def plot_pareto(report: dict) -> bytes | None:
     """bits per weight (x) vs mean KL (y, ± stderr), passing/failing, Pareto front drawn.
     When the recipes span several weight widths (4-bit and 8-bit, say), a second panel
@@ -147,6 +166,7 @@ def _label_points(ax, rows: list[dict], best: str | None) -> None:
         )
 
 
+@_figure
 def plot_kl_distribution(report: dict) -> bytes | None:
     """Per-token KL distribution of each recipe: log-binned density, one line per recipe;
     recipes without a histogram are drawn as their quantiles (median, p90, p99, p99.9, max)."""
@@ -189,6 +209,7 @@ def plot_kl_distribution(report: dict) -> bytes | None:
     return _figure_png(fig)
 
 
+@_figure
 def plot_task_drops(report: dict) -> bytes | None:
     """Accuracy drop (pp, paired 95 % interval) vs mean KL: one series per benchmark, one
     point per recipe. Does the cheap KL rank recipes as the benchmarks do?"""
@@ -222,6 +243,7 @@ def plot_task_drops(report: dict) -> bytes | None:
     return _figure_png(fig)
 
 
+@_figure
 def plot_tune(
     frontier: list[tuple[float, float]],
     scale: float,
@@ -231,10 +253,7 @@ def plot_tune(
 ) -> bytes | None:
     """`qship tune`: the knapsack's predicted frontier (bits per weight vs summed module KL,
     scaled to verified KL), the budget, and every recipe verified end to end."""
-    try:
-        plt = _plt()
-    except ImportError:  # no matplotlib (a bare GPU host): tune.json has the same figures
-        return None
+    plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if frontier:
         xs, ys = zip(*frontier, strict=True)
