@@ -2,6 +2,7 @@
 
 python bench/frontier_session.py notask DIR R.yaml...   # benchmark tasks removed (KL only)
 python bench/frontier_session.py tasks DIR R.yaml...    # six benchmark subsets, 1,000 items each
+python bench/frontier_session.py nogate DIR R.yaml...   # KL only, no gates (to package and serve)
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def main(mode: str, out: str, *recipes: str) -> None:
             d["gates"] = {}
         else:
             d["evaluation"].update(tasks=[], hub_tasks=[])
+        if mode == "nogate":
+            d["gates"] = {}
         Path(out, f"{d['name']}.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
 
 

@@ -18,6 +18,14 @@
 #             base for Gemma, then its benchmark subsets beside gptq-w4 (artune_gemma.log); Qwen's
 #             gptq-w4 and `qship tune` within its bits on the GPTQ and the AutoRound bases
 #             (artune_qwen.log)
+#   moe-early the moe job (MOE_LAYERS default 2) started while the rest is staged
+#   fused     three jobs at once after `prep`: Gemma's GPTQ base tuned (then its benchmark
+#             subsets beside gptq-w4 and vLLM serving it), Gemma's AutoRound base tuned, Qwen's
+#             gptq-w4 and its GPTQ base tuned (benchmarks, served); vLLM 0.26 from .devstash7-8
+#             (serve_session.sh vllm-env). Calls: stage with [.whl .qship-gpu .devstash-q0] then
+#             moe-early; stage with .benchcache, .devstash2..6, .devstash-q1..9, .devstash7, then
+#             .devstash8 and fused; then polls: sleep 480; JOBS="moe fz_gemma fz_gemma_ar fz_qwen"
+#             ... collect (~280 s of device time to stage; ~15 min of jobs, estimated)
 #   collect   what has finished, into $OUT: results.tgz and the logs' tails (WAIT=1: until
 #             the JOBS, default "frontier moe", are done)
 set -uo pipefail
@@ -33,7 +41,7 @@ Q="python3 -m pipeline.cli"
 notask() {  # the task-free shipped recipes in $N
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
   N=$S/notask
-  python3 bench/frontier_session.py notask "$N" $L/gptq-w4.yaml $L/gptq-w4a-mse-sens6.yaml
+  [ "${1:-}" = keep ] || python3 bench/frontier_session.py notask "$N" $L/gptq-w4.yaml
   mkdir -p "$S/tuned"
 }
 gemma() {  # the GGUF joined
@@ -74,21 +82,31 @@ frontier() {  # the session of 2026-12-04 16:17 (bench/RESULTS.md "The quality f
   qwen
   MB=$(qwen_gptq_w4)
   tune_qwen "${QWEN_BASE:-gptq-w4a-mse}" "$MB" w4g128,w4g256,w4g64,w4g32,w8g128
-  # 3. the other levers, the GPTQ base tuned, the rotation
-  levers $N/gptq-w4a-mse-sens6.yaml $L/gptq-w4a-mse-ao-group.yaml $L/gptq-w4a-mse-ao-weight.yaml \
+  # 3. the other levers (and gptq-w4a-mse-sens6, since removed: q/k/v at one scheme), the GPTQ base tuned, the rotation
+  levers $L/gptq-w4a-mse-ao-group.yaml $L/gptq-w4a-mse-ao-weight.yaml \
     $L/gptq-w4a-mse-bs32.yaml $L/gptq-w4a-minmax.yaml $L/gptq-w4a-mse-g64.yaml $L/gptq-w4a-mse-damp10.yaml
   echo "== levers done"
   tune_gemma gptq-w4a-mse
   python3 bench/rotation_lever.py --model "$G" --recipe $L/gptq-w4a-mse.yaml --out "$S/rot" --cache-dir "$S/cache" --device cuda
   echo "== rotation done"
   # 4. benchmark subsets: gptq-w4 and the tuned recipe, paired drops
-  bench_tasks "$S/tuned/gemma-autoround-w4a.yaml"
+  bench_tasks "$G" gemma "$S/cache" "$S/notask/gptq-w4.yaml" "$S/tuned/gemma-autoround-w4a.yaml"
 }
 
-bench_tasks() {  # TUNED: six benchmark subsets, gptq-w4 beside the tuned recipe
-  python3 bench/frontier_session.py tasks "$S/bench" "$S/notask/gptq-w4.yaml" "$1"
-  $Q compare --model "$G" --recipes "$S"/bench/*.yaml --out "$S/bench-cmp" --cache-dir "$S/cache" --device cuda --json > "$S/bench-cmp.json"
-  echo "== benchmarks rc $?"
+bench_tasks() {  # MODEL TAG CACHE RECIPE...: six benchmark subsets, paired drops vs the reference
+  local m=$1 t=$2 c=$3; shift 3
+  python3 bench/frontier_session.py tasks "$S/bench-$t" "$@"
+  $Q compare --model "$m" --recipes "$S/bench-$t"/*.yaml --out "$S/bench-cmp-$t" --cache-dir "$c" --device cuda --json > "$S/bench-cmp-$t.json"
+  echo "== benchmarks $t rc $?"
+}
+
+serve() {  # MODEL TAG CACHE RECIPE: `qship run` (no gates: measure, package), then vLLM serves it
+  python3 bench/frontier_session.py nogate "$S/serve-$2" "$4"
+  $Q run --model "$1" --recipe "$S/serve-$2"/*.yaml --out "$S/art-$2" --cache-dir "$3" --device cuda --json > "$S/run-$2.json" 2> "$S/run-$2.log"
+  echo "== run $2 rc $?"
+  (flock 9; [ -x "$S/vllm-python" ] || OUT=$S bash bench/serve_session.sh vllm-env) 9> "$S/vllm.lock"
+  QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify "$S/art-$2" --serve vllm --serve-kv auto --json > "$S/serve-$2.json" 2> "$S/serve-$2.log"
+  echo "== serve $2 rc $?"
 }
 
 # AutoRound with per-module schemes (quantize/autoround_modifier.py): `qship tune` on the
@@ -96,7 +114,7 @@ bench_tasks() {  # TUNED: six benchmark subsets, gptq-w4 beside the tuned recipe
 artune_gemma() {
   gemma
   tune_gemma autoround-w4a
-  bench_tasks "$S/tuned/gemma-autoround-w4a.yaml"
+  bench_tasks "$G" gemma "$S/cache" "$S/notask/gptq-w4.yaml" "$S/tuned/gemma-autoround-w4a.yaml"
 }
 artune_qwen() {
   qwen
@@ -105,6 +123,28 @@ artune_qwen() {
   for b in ${QWEN_BASES:-gptq-w4a-mse autoround-w4a}; do
     tune_qwen "$b" "$MB" w4g128,w4g64,w4g32,w8g128,w4ch
   done
+}
+
+# Fused sets (q/k/v and gate/up share one scheme, as vLLM loads them; model/roles.py): tune
+# again within the same budgets, AutoRound's tune on Gemma, benchmark subsets beside gptq-w4,
+# and vLLM serving each tuned recipe as packaged (`qship verify --serve vllm`)
+prep() {  # once, before the jobs start: task-free recipes, both GGUFs joined
+  notask
+  [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
+  [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
+}
+fz_gemma() {
+  tune_gemma gptq-w4a-mse
+  bench_tasks "$G" gemma "$S/cache" "$S/notask/gptq-w4.yaml" "$S/tuned/gemma-gptq-w4a-mse.yaml"
+  serve "$G" gemma-tuned "$S/cache" "$S/tuned/gemma-gptq-w4a-mse.yaml"
+}
+fz_gemma_ar() { tune_gemma autoround-w4a; }
+fz_qwen() {
+  MB=$(qwen_gptq_w4)
+  echo "== qwen gptq-w4 at $MB bits"
+  tune_qwen gptq-w4a-mse "$MB" w4g128,w4g64,w4g32,w8g128,w4ch
+  bench_tasks "$QG" qwen "$S/cacheq" "$S/notask/gptq-w4.yaml" "$S/tuned/qwen-gptq-w4a-mse.yaml"
+  serve "$QG" qwen-tuned "$S/cacheq" "$S/tuned/qwen-gptq-w4a-mse.yaml"
 }
 
 moe() {
@@ -147,6 +187,18 @@ artune)  # both jobs at once; `collect` with WAIT=1 waits for both
   done
   ;;
 run-artune_gemma) artune_gemma ;;
+moe-early)  # the MoE job alone, while the rest is staged (it needs only the wheels)
+  setsid nohup env MOE_LAYERS="${MOE_LAYERS:-2}" bash -c "bash bench/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
+  ;;
+fused)  # after every part is staged: three jobs at once (with moe-early, four)
+  prep
+  for j in fz_gemma fz_gemma_ar fz_qwen; do
+    setsid nohup bash -c "bash bench/frontier_session.sh run-$j > $S/$j.log 2>&1; touch $S/$j.done" > /dev/null 2>&1 &
+  done
+  ;;
+run-fz_gemma) notask keep; fz_gemma ;;
+run-fz_gemma_ar) notask keep; fz_gemma_ar ;;
+run-fz_qwen) notask keep; fz_qwen ;;
 run-artune_qwen) artune_qwen ;;
 collect)
   if [ "${WAIT:-0}" = 1 ]; then
@@ -159,7 +211,7 @@ collect)
   grep -E "^==|^\{|Error|error" "$S/moe.log" 2>/dev/null | tail -12
   grep -v "Warning\|warn(\|it/s\]\|s/it\]" "$S/moe.log" 2>/dev/null | tail -200 > "$OUT/moe_tail.log"
   # one tarball: the device hands back a few files, folders only a few levels deep
-  (cd "$S" && find lev levq rot bench-cmp tune-* tuned scale-moe \( -name "eval.json" -o -name "tune.json" \
+  (cd "$S" && find lev levq rot bench-cmp* tune-* tuned scale-moe art-*/eval.json \( -name "eval.json" -o -name "tune.json" \
       -o -name "*.yaml" -o -name "compare.json" -o -name "compare.md" -o -name "tune.png" -o -name "scale_*.json" \) \
       2>/dev/null | grep -v "/cache/" | tar czf "$OUT/results.tgz" -T - ./*.json 2>/dev/null)
   nvidia-smi --query-gpu=memory.used --format=csv,noheader; free -g | head -2

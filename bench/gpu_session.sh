@@ -104,7 +104,7 @@ winner)
   # cost on the H200 in float64 (qship evaluate) and float32 with large chunks
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
   SNAP=$(gemma_snapshot)
-  for name in ${RECIPES:-gptq-w4a-mse-sens6 gptq-w4a-mse-c384-sens6 gptq-w4}; do
+  for name in ${RECIPES:-gptq-w4a-mse gptq-w4}; do
     python3 -m pipeline.cli quantize --model "$SNAP" --recipe .qship-gpu/recipes/$name.yaml --out "$S/w-$name" \
       --cache-dir "$S/cache" --json > "$OUT/quantize-$name.json" 2> "$S/q-$name.log" || tail -5 "$S/q-$name.log"
     for mode in exact cached; do

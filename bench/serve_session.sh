@@ -6,6 +6,7 @@
 #   gemma-bg     join the Gemma GGUF, then `qship run` gemma-mixed-w4-bench16 in the background
 #                (setsid: it outlives the call) -> /root/stash/art-gemma, log gemma-run.log
 #   vllm1        unpack part 1 of vLLM 0.26.0 (../shared/tools/vllm-h200/pack_vllm.sh)
+#   vllm-env     unpack what arrived and write $S/vllm-python (vLLM's own environment)
 #   vllm2        part 2, then the tiny Llama: qship run (query rounding on / K,V only) and
 #                `qship verify --serve vllm` with kv_cache_dtype auto and bfloat16
 #   gemma-serve  wait for gemma-bg, the K,V-only variant, `qship verify --serve vllm` (auto,
@@ -13,6 +14,7 @@
 # Everything qship prints comes back in $OUT (logs included).
 set -uo pipefail
 S=/root/stash
+OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
   HF_DATASETS_OFFLINE=1 QSHIP_CACHE=$S/cache QSHIP_VLLM_PYTHON=$S/vllm-python
@@ -52,13 +54,14 @@ gemma-bg)
 vllm1)
   unpack_vllm; tail -3 "$S/gemma-run.log"
   ;;
-vllm2)
+vllm-env | vllm2)
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
   unpack_vllm
   # vLLM's own environment: its packages only (not qship's site with compressed-tensors 0.19)
   printf '#!/bin/sh\nPYTHONPATH=/root/site:/root/deps VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 exec python3 "$@"\n' > "$S/vllm-python"
   chmod +x "$S/vllm-python"
   $S/vllm-python -c "import vllm, compressed_tensors; print('vllm', vllm.__version__, 'ct', compressed_tensors.__version__)"
+  [ "$1" = vllm-env ] && exit 0
   for r in tiny-mixed-w4 tiny-mixed-w4-kvonly; do
     $Q run --model tests/fixtures/models/tiny-llama --recipe $R/$r.yaml --out $S/art-$r --device cuda --json > "$OUT/run-$r.json" 2> "$OUT/run-$r.log"
     echo "run $r rc=$?"; tail -3 "$OUT/run-$r.log"

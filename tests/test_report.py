@@ -21,6 +21,7 @@ from pipeline.compare.report import (
     best_per_column,
     best_recipe,
     pareto_front,
+    recommendation,
     summarise_rows,
 )
 from pipeline.compare.rows import row, row_from_file
@@ -127,6 +128,17 @@ def test_selection_rules():
     assert best_by_width(rows) == {"4": "a"}
     rows[2]["passed"] = True
     assert best_by_width(rows) == {"4": "a", "8": "c"} and best_recipe(rows) == "c"
+
+
+def test_recommendation_names_winners_and_points_to_tune():
+    """Shipped winners compared are named; `qship tune` is suggested unless a recipe it
+    wrote (`<base>-tune<bits>`) is among the rows."""
+    text = recommendation({"recipes": ["gptq-w4", "autoround-w4a"], "best": "autoround-w4a"})
+    assert text.startswith("Ship **autoround-w4a**.") and "autoround-w4a for the least KL" in text
+    assert "qship tune --recipe" in text
+    tuned = {"recipes": ["gptq-w4", "gptq-w4a-mse-tune4.248"], "best": "gptq-w4a-mse-tune4.248"}
+    assert "qship tune" not in recommendation(tuned)
+    assert recommendation({"recipes": ["gptq-w4"], "best": None}).startswith("No recipe passed")
 
 
 def test_duplicate_names_refused(evals):

@@ -32,9 +32,7 @@ EXPECT = {
     "qwen3_moe": (8, 0, 24, 2), "mixtral": (8, 0, 24, 2), "olmoe": (8, 0, 24, 2),
     "qwen2_moe": (8, 6, 24, 4),  # a shared expert (mlp) and its gate (router)
 }  # fmt: skip
-# the recipes whose module choices are one model's (sensitivity / tune output) plan on it only
-SHIPPED = [p for p in sorted((ROOT / "recipes").glob("*.yaml"))
-           if "sens6" not in p.name and "tuned" not in p.name]  # fmt: skip
+SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
 
 
 def config(model_type: str):
@@ -179,3 +177,36 @@ def test_plan_json_round_trips(tmp_path, capsys):
 
     plan = plan_for_config(config("qwen2_moe"), load_recipe(ROOT / "recipes" / "gptq-w4.yaml"))
     assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+
+@pytest.mark.parametrize(
+    ("model_type", "split", "whole"),
+    [
+        ("llama", ["model.layers.0.self_attn.v_proj"],
+         [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]),
+        ("qwen2", ["model.layers.1.mlp.up_proj"], ["model.layers.1.mlp.gate_proj",
+                                                    "model.layers.1.mlp.up_proj"]),
+        ("qwen3_moe", ["model.layers.0.mlp.experts.1.down_proj"],
+         [f"model.layers.0.mlp.experts.{e}.{p}_proj" for e in range(4) for p in ("gate", "up", "down")]),
+    ],
+)  # fmt: skip
+def test_modules_served_as_one_fused_layer_share_one_scheme(model_type, split, whole):
+    """vLLM loads q/k/v, gate/up and an MoE block's experts as one layer with one scheme: a
+    recipe that moves part of such a set to int8 is refused before compute, naming a module
+    on each side; moving the whole set plans, every member at int8."""
+    base = yaml.safe_load((ROOT / "recipes" / "gptq-w4.yaml").read_text())
+
+    def moved(names: list[str]) -> dict:
+        data = json.loads(json.dumps(base))
+        data["groups"][0]["exclude"] = names
+        data["groups"].insert(1, {**data["groups"][0], "name": "w8", "targets": names,
+                                  "scheme": {**data["groups"][0]["scheme"], "bits": 8}})  # fmt: skip
+        del data["groups"][1]["roles"], data["groups"][1]["exclude"]
+        return data
+
+    cfg = config(model_type)
+    with pytest.raises(RecipeError, match="one fused layer with one scheme") as e:
+        plan_for_config(cfg, parse_recipe(moved(split), path="split.yaml"))
+    assert split[0] in str(e.value) and "int8" in str(e.value) and "int4" in str(e.value)
+    plan = plan_for_config(cfg, parse_recipe(moved(whole), path="whole.yaml"))
+    assert sorted(m.name for m in plan.modules if m.scheme and m.scheme.bits == 8) == sorted(whole)

@@ -17,6 +17,7 @@ from small_recipes import small_recipe
 from pipeline.compare import knapsack
 from pipeline.compare.recipe_writer import portable_targets
 from pipeline.compare.tune import parse_options
+from pipeline.model.roles import fused_sets
 from pipeline.quantize.plan import plan_for_dir
 from pipeline.recipe import load_recipe
 
@@ -111,6 +112,10 @@ def test_tune_allocates_within_budget_and_beats_its_base(tiny_gemma, small_gptq,
     by = plan.by_name()
     for m in base_plan.modules:  # moved modules changed scheme, the others did not
         assert (by[m.name].scheme != m.scheme) == (m.name in moved), m.name
+    # what vLLM serves as one layer (q/k/v, gate/up) moves as one: some such sets moved whole
+    sets = fused_sets(m.name for m in plan.modules if m.scheme)
+    assert all(len({by[n].scheme for n in s}) == 1 for s in sets)
+    assert any(len(s) > 1 and s[0] in moved for s in sets), res["moved"]
     text = (tmp_path / "t.yaml").read_text()
     assert "model.layers" not in text and "&id" not in text  # portable, no YAML aliases
     # verified end to end, exact KL, on the held-out windows: the tuned recipe wins

@@ -1,7 +1,8 @@
 """The recipes `qship sensitivity` and `qship tune` write, and the checks they pass.
 
 * `write_upgraded_recipe` (sensitivity): the modules with the most KL per extra stored bit
-  to int8, greedily, each named exactly; the base group excludes them.
+  to int8, greedily (a fused set -- q/k/v, gate/up -- as one), each named exactly; the base
+  group excludes them.
 * `tuned_recipe` (tune): each module at the scheme the knapsack chose, one group per
   (base group, scheme) whose targets are layer-index regexes on the module path
   (`portable_targets`), planned again on the model (`check_written`).
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..model.devices import DTYPES
+from ..model.roles import fused_sets
 from ..quantize.plan import plan_for_dir, weight_storage_bits
 from ..recipe import Recipe, load_recipe
 from ..records.plan import ModuleScheme, Plan
@@ -33,26 +35,32 @@ def _bits(row: dict, scheme: ModuleScheme, dtype_bits: int) -> int:
 
 def choose_upgrades(rows: list[dict], plan: Plan, max_bits: float) -> tuple[list[dict], float]:
     """Greedy by KL won back per extra stored bit, while the quantized weights' bits per
-    weight stay within `max_bits`. Returns (chosen rows, resulting bits per weight)."""
+    weight stay within `max_bits`; the sets a serving engine fuses (q/k/v, gate/up) move
+    together. Returns (chosen rows, resulting bits per weight)."""
     dtype_bits = DTYPES[plan.dtype].bits
     quant = [m for m in plan.modules if m.scheme]
     total_bits = sum(
         weight_storage_bits(m.out_features, m.in_features, m.scheme, dtype_bits) for m in quant
     )
     n_weights = sum(m.in_features * m.out_features for m in quant)
+    by = {r["name"]: r for r in rows}
     cands = []
-    for r in rows:
-        scheme = ModuleScheme(**r["scheme"])
-        if scheme.bits >= UPGRADE_BITS:
+    for members in fused_sets(by):
+        rs = [by[n] for n in members]
+        schemes = [ModuleScheme(**r["scheme"]) for r in rs]
+        if any(sc.bits >= UPGRADE_BITS for sc in schemes):
             continue
-        up = scheme.model_copy(update={"bits": UPGRADE_BITS})
-        extra = _bits(r, up, dtype_bits) - _bits(r, scheme, dtype_bits)
-        cands.append((r["kl_mean"] / extra, extra, r))
+        extra = sum(
+            _bits(r, sc.model_copy(update={"bits": UPGRADE_BITS}), dtype_bits)
+            - _bits(r, sc, dtype_bits)
+            for r, sc in zip(rs, schemes, strict=True)
+        )
+        cands.append((sum(r["kl_mean"] for r in rs) / extra, extra, rs))
     cands.sort(key=lambda c: -c[0])
-    chosen = []
-    for _gain, extra, r in cands:
+    chosen: list[dict] = []
+    for _gain, extra, rs in cands:
         if (total_bits + extra) / n_weights <= max_bits + 1e-12:
-            chosen.append(r)
+            chosen += rs
             total_bits += extra
     return chosen, total_bits / n_weights
 

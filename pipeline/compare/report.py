@@ -38,6 +38,7 @@ import csv
 import io
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -129,16 +130,13 @@ def best_by_width(rows: list[dict]) -> dict[str, str]:
 
 
 # The shipped recipes that won on the quality frontier (bench/RESULTS.md) and when to pick
-# each; the report names those it compared, and `qship tune` when none of them was
+# each; the report names those it compared, and `qship tune` when no tuned recipe was there
 WINNERS = {
-    "gptq-w4a-mse-tuned": "the least KL within 4.25 bits per weight (Gemma 3 270M's modules; "
-    "`qship tune` writes one for another model)",
-    "gptq-w4a-mse-tuned-qwen": "the least KL within gptq-w4's 4.125 bits (Qwen2.5-Coder-0.5B's "
-    "modules)",
     "autoround-w4a": "the least KL of one portable 4-bit recipe (4.16 bits; AutoRound "
     "calibrates ~25x longer than GPTQ)",
     "gptq-w4a-mse": "GPTQ's speed, portable; the base `qship tune` starts from",
 }
+TUNED = re.compile(r"-tune\d")  # the names `qship tune` gives its recipes: <base>-tune4.248
 
 
 def recommendation(report: dict) -> str:
@@ -148,7 +146,7 @@ def recommendation(report: dict) -> str:
     text = f"Ship **{report['best']}**." if report["best"] else "No recipe passed its gate."
     if picks:
         text += " Shipped winners here: " + "; ".join(picks) + "."
-    if not any(n.startswith("gptq-w4a-mse-tuned") for n in names):
+    if not any(TUNED.search(n) for n in names):
         text += (" For the least KL within a bit budget on this model: `qship tune --recipe "
                  "recipes/gptq-w4a-mse.yaml --max-bits 4.25 --write-recipe R.yaml`.")  # fmt: skip
     return text

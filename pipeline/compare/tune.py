@@ -5,10 +5,12 @@
    g32 and 8-bit g128, same symmetry) -- KL against the unquantized model on the first
    calibration windows (the held-out windows stay unseen until the verification). A second
    run with another budget reuses the measurement.
-2. **allocate**: a multiple-choice knapsack (knapsack.py) -- one option per module, least
+2. **allocate**: a multiple-choice knapsack (knapsack.py) -- one option per item, least
    predicted KL (the sum of the modules' KL) with stored bits per weight within
    `--max-bits`. With `--max-kl` the predicted KL is scaled by verified/predicted of the
    last verified recipe, and the least bits meeting it are taken, verified again if needed.
+   An item is a module, or the set a serving engine fuses into one layer (q/k/v, gate/up,
+   an MoE block's experts: `model.roles.fused_sets`), which must share one scheme.
 3. **write** the recipe (recipe_writer.py): the base recipe, each moved module set as its
    own group whose targets are layer-index regexes on the module path (no model prefix, so
    the recipe fits the family's other checkpoints of the same depth); planned again on the
@@ -27,6 +29,7 @@ from typing import Any
 
 from .. import log
 from ..errors import GateFailed, UsageError
+from ..model.roles import fused_sets
 from ..records.base import Record
 from ..records.plan import ModuleScheme, Plan
 from . import knapsack
@@ -102,37 +105,53 @@ class TuneResult(Record):
 # ------------------------------------------------------------------ allocation
 
 
-def _options(rows: list[dict], plan: Plan) -> tuple[list[str], list[list[dict]]]:
-    """(module names, each one's measured options, its own scheme first)."""
+def _options(rows: list[dict], plan: Plan) -> tuple[list[list[str]], list[list[dict]]]:
+    """(the knapsack's items: sets of modules a serving engine fuses, which move together;
+    each set's options, its own scheme first, stored bits and KL summed over the set)."""
     by = {r["name"]: r for r in rows}
     names = [m.name for m in plan.modules if m.scheme is not None]
     missing = [n for n in names if n not in by or "options" not in by[n]]
     if missing:
         raise UsageError(f"no measurement for {missing[0]} (and {len(missing) - 1} more)")
-    return names, [by[n]["options"] for n in names]
+    sets = fused_sets(names)
+    out = []
+    for members in sets:
+        per = [by[n]["options"] for n in members]
+        kinds = [[(o["bits"], o["group_size"]) for o in os] for os in per]
+        if any(k != kinds[0] for k in kinds):  # same width, same scheme: the same options
+            raise UsageError(f"{members[0]} and {members[1]} were measured at other options")
+        out.append([
+            {**o, "stored_bits": sum(p[k]["stored_bits"] for p in per),
+             "kl_mean": sum(p[k]["kl_mean"] for p in per)}
+            for k, o in enumerate(per[0])
+        ])  # fmt: skip
+    return sets, out
 
 
 def solve(
     rows: list[dict], plan: Plan, top_bits: float
-) -> tuple[list[str], list[list[dict]], knapsack.Table, int]:
-    """The knapsack table up to `top_bits` bits per weight; (names, options, table, weights)."""
-    names, opts = _options(rows, plan)
+) -> tuple[list[list[str]], list[list[dict]], knapsack.Table, int]:
+    """The knapsack table up to `top_bits` bits per weight; (sets, options, table, weights)."""
+    sets, opts = _options(rows, plan)
     n_weights = sum(m.in_features * m.out_features for m in plan.modules if m.scheme)
     unit = max(1, int(n_weights * RESOLUTION))
     items = [[knapsack.Option(o["stored_bits"], o["kl_mean"]) for o in os] for os in opts]
-    return names, opts, knapsack.solve(items, int(top_bits * n_weights), unit), n_weights
+    return sets, opts, knapsack.solve(items, int(top_bits * n_weights), unit), n_weights
 
 
-def chosen_schemes(plan: Plan, names: list[str], opts: list[list[dict]], pick: list[int]) -> dict:
+def chosen_schemes(
+    plan: Plan, sets: list[list[str]], opts: list[list[dict]], pick: list[int]
+) -> dict[str, ModuleScheme]:
     """{module: ModuleScheme} for the modules whose pick differs from their group's scheme."""
     out: dict[str, ModuleScheme] = {}
     own = {m.name: m.scheme for m in plan.modules}
-    for n, os, k in zip(names, opts, pick, strict=True):
-        s = own[n]
-        assert s is not None
-        v = s.model_copy(update={"bits": os[k]["bits"], "group_size": os[k]["group_size"]})
-        if v != s:
-            out[n] = v
+    for members, os, k in zip(sets, opts, pick, strict=True):
+        for n in members:
+            s = own[n]
+            assert s is not None
+            v = s.model_copy(update={"bits": os[k]["bits"], "group_size": os[k]["group_size"]})
+            if v != s:
+                out[n] = v
     return out
 
 
@@ -215,7 +234,7 @@ def run(
         line.note = f"{len(rows)} modules x {len(options)} options on {ids.shape[0]} windows"
 
     base_bpw = plan.bits_per_weight.quantized
-    names, opts, table, n_w = solve(rows, plan, max(max_bits or 0.0, base_bpw) + 0.5)
+    sets, opts, table, n_w = solve(rows, plan, max(max_bits or 0.0, base_bpw) + 0.5)
     top = len(table.best) - 1
     if max_bits is not None:
         if int(max_bits * n_w) < table.floor_bits:
@@ -253,7 +272,7 @@ def run(
         if max_kl is not None:
             ok = [c for c in range(top + 1) if table.best[c] * scale <= max_kl]
             cap = ok[0] if ok else top
-        picks = chosen_schemes(plan, names, opts, table.pick(cap))
+        picks = chosen_schemes(plan, sets, opts, table.pick(cap))
         tuned = tuned_recipe(data, plan, picks, stem)
         bpw = check_written(Path(snap.path), tuned, picks, plan).bits_per_weight.quantized
         tuned["name"] = f"{stem}{bpw:.3f}"

@@ -18,6 +18,8 @@ CHECKED lists the model types these rules were checked on (tests/test_roles.py).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,13 @@ CHECKED = (
 # the last projection of a block: what AWQ balances from its value/up input (v->o, up->down)
 ATTN_OUTPUT = ("o_proj", "out_proj", "dense", "c_proj", "wo")
 MLP_OUTPUT = ("down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2")
+# Linear layers a serving engine loads as one fused layer with one quantization scheme:
+# vLLM's packed_modules_mapping (qkv_proj, gate_up_proj) and its FusedMoE (every expert of
+# an MoE block). vLLM takes the fused layer's scheme from its first shard, so shards at other
+# bits or group sizes fail to load (compressed_tensors/utils.py: find_matched_target).
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+_EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+$")
 
 
 @dataclass
@@ -52,6 +61,23 @@ class Structure:
 
     def role_of(self) -> dict[str, str]:
         return {n: r for r, names in self.roles.items() for n in names}
+
+
+def fusion_key(name: str) -> str:
+    """The fused layer `name` is served as (itself when no engine fuses it)."""
+    m = _EXPERT.match(name)
+    if m:
+        return m.group(1)
+    parent, _, leaf = name.rpartition(".")
+    return f"{parent}.{FUSED[leaf]}" if leaf in FUSED else name
+
+
+def fused_sets(names: Iterable[str]) -> list[list[str]]:
+    """`names` partitioned by `fusion_key`, in first-seen order."""
+    sets: dict[str, list[str]] = {}
+    for n in names:
+        sets.setdefault(fusion_key(n), []).append(n)
+    return list(sets.values())
 
 
 def _linear(mod: Any) -> bool:
