@@ -477,3 +477,41 @@ def test_malformed_eval_json(packaged_artifact, tmp_path, capsys, text):
     resum(art)
     rc, out = cli_verify(art, capsys=capsys)
     assert rc == 3 and out["path"].endswith("eval.json")
+
+
+def test_a_checkpoint_storing_a_fused_set_two_ways_is_refused(tiny_llama, tmp_path, monkeypatch):
+    """q/k/v stored two ways (a checkpoint from before the plan refused such recipes, or from
+    another tool) cannot be served by vLLM: the one checkpoint validator -- quantize's
+    post-save check, and `qship verify` -- names the set; nothing is kept."""
+    import torch
+    import yaml
+    from transformers import AutoTokenizer
+
+    import pipeline.quantize.plan as plan_mod
+    from pipeline.data.tokens import build_token_sets
+    from pipeline.errors import StageError
+    from pipeline.quantize import quantize
+    from pipeline.recipe import parse_recipe
+
+    data = yaml.safe_load((ROOT / "recipes" / "rtn-w4.yaml").read_text())
+    data.update(kv_cache=None, calibration={"num_samples": 2, "seq_len": 32, "batch_size": 2},
+                evaluation={"sequences": 2, "seq_len": 32, "batch_size": 2})  # fmt: skip
+    attn = data["groups"][0]
+    attn["exclude"] = ["re:.*v_proj$"]
+    data["groups"].insert(1, {"name": "v8", "targets": ["re:.*v_proj$"], "method": "rtn",
+                              "scheme": {**attn["scheme"], "bits": 8}})  # fmt: skip
+    recipe = parse_recipe(data, path="split.yaml")
+    monkeypatch.setattr(plan_mod, "check_fused", lambda *a: None)  # as before the rule
+    tokens = build_token_sets(AutoTokenizer.from_pretrained(tiny_llama), recipe.calibration,
+                              recipe.evaluation, cache_dir=tmp_path / "cache")  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(StageError) as e:
+            quantize(tiny_llama, recipe, tmp_path / "q", tokens=tokens, device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    msg = str(e.value)
+    assert "q_proj is int4 asym g128 but model.layers.0.self_attn.v_proj is int8" in msg, msg
+    assert "self_attn.qkv_proj as one fused layer" in msg
+    assert not (tmp_path / "q").exists()

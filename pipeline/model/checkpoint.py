@@ -14,7 +14,9 @@ its own config.json describes (built on the meta device, so no weight is loaded)
    in config.json's dtype;
 4. with a kv_cache_scheme, every attention module has its k_scale and v_scale;
 5. every stored scale is finite and positive (an uncalibrated module leaves NaN or 0);
-6. no tensor that the architecture does not have.
+6. no tensor that the architecture does not have;
+7. the modules vLLM fuses into one layer (q/k/v, gate/up, an MoE block's experts) are
+   stored alike (`roles.split_fused`).
 
 It returns the scheme every Linear module was saved with; quantize holds that against its
 plan (llm-compressor lets a later modifier silently win on overlapping targets).
@@ -34,6 +36,7 @@ from ..io.safetensors_header import FLOAT_DTYPES, Header, TensorInfo, read_heade
 from ..records.plan import ModuleScheme
 from .devices import DTYPES
 from .matching import matches
+from .roles import split_fused
 
 INDEX = "model.safetensors.index.json"
 QUANT_PARAMS = (
@@ -240,6 +243,8 @@ def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems
             expected.add(name)
             if kv and name not in tensors:
                 p.add("config.json", f"kv_cache_scheme set but {name} is absent")
+    for msg in split_fused(schemes):  # a checkpoint written elsewhere, or before the rule
+        p.add("config.json", msg)
     _check_scale_values(root, tensors, headers, p)
     _check_layers(cfg, tensors, p)
     for name in sorted(set(tensors) - expected):

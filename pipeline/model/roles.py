@@ -19,9 +19,11 @@ CHECKED lists the model types these rules were checked on (tests/test_roles.py).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..records.plan import ModuleScheme
 
 ROLES = ("attention", "mlp", "experts", "router", "embeddings", "lm_head")
 CHECKED = (
@@ -78,6 +80,19 @@ def fused_sets(names: Iterable[str]) -> list[list[str]]:
     for n in names:
         sets.setdefault(fusion_key(n), []).append(n)
     return list(sets.values())
+
+
+def split_fused(schemes: Mapping[str, ModuleScheme | None]) -> list[str]:
+    """One line per fused set whose modules `schemes` stores two ways (None: 16-bit)."""
+    out = []
+    for members in fused_sets(schemes):
+        kind = {n: s.stored() if (s := schemes[n]) else "16-bit" for n in members}
+        a = members[0]
+        b = next((n for n in members if kind[n] != kind[a]), None)
+        if b is not None:
+            out.append(f"{a} is {kind[a]} but {b} is {kind[b]}: vLLM loads {fusion_key(a)} "
+                       "as one fused layer with one scheme")  # fmt: skip
+    return out
 
 
 def _linear(mod: Any) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import RecipeError
 from ..model.devices import DTYPES
 from ..model.loading import load_meta_model, meta_model
-from ..model.roles import Structure, fused_sets
+from ..model.roles import Structure, split_fused
 from ..recipe import Recipe
 from ..records.plan import BitsPerWeight, ModulePlan, ModuleScheme, ParamCounts, Plan
 from .awq_mappings import derive_awq_mappings
@@ -70,31 +70,17 @@ def _module_plan(name: str, mod: Any, recipe: Recipe, claims: Claims, tied: bool
     )  # fmt: skip
 
 
-def _stored(s: ModuleScheme | None) -> str:
-    if s is None:
-        return "16-bit"
-    return f"int{s.bits} {'sym' if s.symmetric else 'asym'} " + (
-        f"g{s.group_size}" if s.group_size else "per channel"
-    )
-
-
 def check_fused(modules: list[ModulePlan], recipe: Recipe) -> None:
     """Modules a serving engine fuses into one layer (q/k/v, gate/up, one block's experts)
-    must be stored alike: vLLM loads the fused layer with its first shard's scheme."""
-    by = {m.name: m for m in modules}
-    for members in fused_sets(by):
-        kinds = {n: _stored(by[n].scheme) for n in members}
-        if len(set(kinds.values())) > 1:
-            a = members[0]
-            b = next(n for n in members if kinds[n] != kinds[a])
-            raise RecipeError(
-                f"{a} is {kinds[a]} but {b} is {kinds[b]}: vLLM serves "
-                f"{', '.join(n.rsplit('.', 1)[-1] for n in members[:3])}"
-                f"{' …' if len(members) > 3 else ''} as one fused layer with one scheme",
-                path=recipe.path,
-                hint="give the whole set the same bits, symmetry and group size (one group's "
-                "targets on all of them), or keep all of them 16-bit",
-            )
+    must be stored alike: vLLM loads the fused layer with one scheme."""
+    bad = split_fused({m.name: m.scheme for m in modules})
+    if bad:
+        raise RecipeError(
+            bad[0] + (f" (and {len(bad) - 1} more such sets)" if len(bad) > 1 else ""),
+            path=recipe.path,
+            hint="give the whole set the same bits, symmetry and group size (one group's "
+            "targets on all of them), or keep all of them 16-bit",
+        )
 
 
 def build_plan(model: Any, recipe: Recipe, structure: Structure | None = None) -> Plan:

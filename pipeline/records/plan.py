@@ -30,6 +30,10 @@ class ModuleScheme(Record):
         grp = f"g{self.group_size}" if self.group_size else "per-channel"
         return f"int{self.bits} {kind} {grp}" + (f" {self.observer}" if self.observer else "")
 
+    def stored(self) -> str:
+        """How the weight is stored (the observer only chose the values)."""
+        return self.model_copy(update={"observer": None}).label()
+
 
 class ModulePlan(Record):
     name: str
