@@ -161,7 +161,7 @@ def test_upgrade_excludes_the_chosen_modules_from_their_old_group(tiny_gemma):
     plan = plan_for_dir(tiny_gemma, base)
     pick = [{"name": "model.layers.0.mlp.down_proj", "group": "all"}]
     out = upgrade_recipe(copy.deepcopy(data), base, plan, pick)
-    assert [g["name"] for g in out["groups"]] == ["all", "all-int8", "rest", "head"]
+    assert [g["name"] for g in out["groups"]] == ["all", "all-w8g128", "rest", "head"]
     assert out["groups"][0]["targets"] == data["groups"][0]["targets"]  # claims unchanged
     assert out["groups"][0]["exclude"] == ["model.layers.0.mlp.down_proj"]
     assert out["groups"][1]["targets"] == ["model.layers.0.mlp.down_proj"]
@@ -170,7 +170,7 @@ def test_upgrade_excludes_the_chosen_modules_from_their_old_group(tiny_gemma):
     assert (
         by["model.layers.0.mlp.down_proj"].group,
         by["model.layers.0.mlp.down_proj"].scheme.bits,
-    ) == ("all-int8", 8)
+    ) == ("all-w8g128", 8)
     assert (
         by["model.layers.0.mlp.up_proj"].group,
         by["model.layers.0.mlp.up_proj"].scheme.bits,

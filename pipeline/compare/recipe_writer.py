@@ -90,16 +90,16 @@ def _regroup(
 
 def upgrade_recipe(recipe_data: dict, recipe: Recipe, plan: Plan, chosen: list[dict]) -> dict:
     """A copy of the recipe (YAML data) where the `chosen` modules form new groups
-    `<group>-int8`: same method, options and scheme, 8 bits; their old groups `exclude`
-    them (and keep their roles and targets, so the rest of the recipe stays portable)."""
+    `<group>-w8g128` (tune's naming): same method, options and scheme, 8 bits; their old
+    groups `exclude` them (and keep their roles and targets, so the rest stays portable)."""
     data = copy.deepcopy(recipe_data)
-    moves: dict[str, dict[str, tuple[dict, list[str]]]] = {}
+    own = plan.by_name()
+    picks = {}
     for r in chosen:
-        new = f"{r['group']}-int{UPGRADE_BITS}"
-        moves.setdefault(r["group"], {}).setdefault(new, ({"bits": UPGRADE_BITS}, []))[1].append(
-            r["name"]
-        )
-    data["groups"] = _regroup(data["groups"], plan, moves, sorted)
+        s = own[r["name"]].scheme
+        assert s is not None
+        picks[r["name"]] = s.model_copy(update={"bits": UPGRADE_BITS})
+    data["groups"] = _regroup(data["groups"], plan, tuned_moves(plan, picks), sorted)
     data["name"] = f"{recipe.name}-sens{len(chosen)}"
     data["description"] = (
         f"{recipe.description or recipe.name}; {len(chosen)} most sensitive module(s) at "
