@@ -78,7 +78,7 @@ def test_autoround_tunes_each_module_at_its_own_scheme(tiny_llama, tmp_path):
     base = d["groups"][0]
     moved = {"layers.0.mlp.down_proj": ("autoround", 8, 128),
              "layers.1.mlp.down_proj": ("autoround", 4, 64),
-             "layers.0.mlp.up_proj": ("gptq", 4, 64)}  # fmt: skip
+             "layers.0.self_attn.o_proj": ("gptq", 4, 64)}  # fmt: skip
     for i, (name, (method, bits, gs)) in enumerate(moved.items()):
         rx = f"re:.*{name.replace('.', chr(92) + '.')}$"
         base.setdefault("exclude", []).append(rx)
