@@ -100,7 +100,9 @@ def test_sensitivity_ranks_modules_and_writes_upgraded_recipe(
         n for n, m in by.items() if m.scheme and m.scheme.bits == 8
     )
     ups = set(w["upgraded"])  # what vLLM serves as one layer (q/k/v, gate/up) moves as one
-    assert all(set(s) <= ups or not set(s) & ups for s in fused_sets(by))
+    sets = fused_sets(by)
+    assert all(set(s) <= ups or not set(s) & ups for s in sets)
+    assert any(len(s) > 1 and set(s) <= ups for s in sets), ups
     for name, m in base_plan.by_name().items():  # everything else as in the base recipe
         if name not in w["upgraded"]:
             assert by[name].scheme == m.scheme and by[name].method == m.method, name
