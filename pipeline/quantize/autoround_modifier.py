@@ -57,10 +57,10 @@ def autoround_modifier_class() -> Any:
             # left alone follow, so the layer hands the next one a single dtype
             for layer in modules or []:
                 mods = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-                tuned = [m.weight.dtype for m in mods if m in self._own]
-                for m in mods if tuned else []:
-                    for p in (m.weight, m.bias):
-                        if m not in self._own and p is not None and p.dtype != tuned[0]:
-                            p.data = p.data.to(tuned[0])
+                dtype = next((m.weight.dtype for m in mods if m in self._own), None)
+                params = [p for m in mods if m not in self._own for p in (m.weight, m.bias)]
+                for p in params if dtype else []:
+                    if p is not None and p.dtype != dtype:
+                        p.data = p.data.to(dtype)
 
     return AutoRoundModifier
