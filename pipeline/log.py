@@ -184,9 +184,16 @@ def third_party_to(log_path: Path | None, *, verbose: bool = False) -> Iterator[
     if verbose or log_path is None:
         h: logging.Handler = logging.StreamHandler(_ConsoleWriter())
         _detail.addHandler(h)
+        # stdout stays reserved for --json: what libraries print there (llm-compressor's
+        # loguru sink is sys.stdout when it is set up) goes to stderr instead
+        old_out = sys.stdout
+        saved_fd1 = _redirect_fd(1, 2)
+        sys.stdout = sys.stderr
         try:
             yield None
         finally:
+            sys.stdout = old_out
+            _restore_fd(1, saved_fd1)
             _detail.removeHandler(h)
         return
     log_path = Path(log_path)
@@ -231,6 +238,26 @@ def third_party_to(log_path: Path | None, *, verbose: bool = False) -> Iterator[
         for h in outer_handlers:
             _detail.addHandler(h)
         fh.close()
+
+
+def _redirect_fd(fd: int, to: int) -> int | None:
+    """Point `fd` at `to` (a copy of the old one returned), or None when the streams are not
+    real descriptors (pytest's capture)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(fd)
+        os.dup2(to, fd)
+        return saved
+    except (OSError, ValueError):
+        return None
+
+
+def _restore_fd(fd: int, saved: int | None) -> None:
+    if saved is not None:
+        sys.stdout.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 class _ConsoleWriter:

@@ -1,11 +1,14 @@
 """The `qship` command line: parses arguments, calls the Python API, prints the result.
 
 Exit codes (the CI contract, README): 0 ok, 1 unexpected, 2 usage/recipe, 3 integrity,
-4 quality gate. A command returns its result record; `main` prints exactly one JSON object
-on stdout with `--json` in every outcome (a failure: the error, with the result the command
-had when it failed under "result"), or a summary on stderr for people. Library output goes
-to a log file (qship run: <out>.report/run.log; other commands: <cache>/logs/qship.log)
-unless `-v`.
+4 quality gate, 5 transient, 130 interrupted (Ctrl-C / SIGINT). A command returns its result
+record; `main` prints exactly one JSON object on stdout with `--json` in every outcome (a
+failure: the error, with the result the command had when it failed under "result"), or a
+summary on stderr for people. `-v` and `--json` work before or after the command's name.
+
+Library output goes to a log file (qship run: <out>.report/run.log; other commands:
+<cache>/logs/qship.log) unless `-v`, but only while a command runs: parsing, `--help` and
+usage errors happen before that, so click prints them where a person looks.
 """
 
 from __future__ import annotations
@@ -13,35 +16,45 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from .. import log
 from ..errors import QshipError
 from .artifact import package_cmd, publish_cmd, verify_cmd
-from .common import OneLineJson, default_log
+from .common import STATE, OneLineJson, default_log
 from .compare import compare_cmd, sensitivity_cmd, tune_cmd
 from .evaluate import evaluate_cmd
 from .fetch import fetch_cmd
 from .quantize import plan_cmd, quantize_cmd
 from .run import run_cmd
 
-
-@dataclass
-class State:
-    verbose: bool = False
-
-
-STATE = State()
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: no box drawing cut to the width of a CI log
     help="Quantize, evaluate, gate, package and verify Hugging Face causal LMs.",
 )
+
+
+def versions_text() -> str:
+    """`qship --version`: qship's own version and the engines' it runs with."""
+    from ..io.cache import library_versions
+
+    v = library_versions()
+    rest = ", ".join(f"{k} {val}" for k, val in v.items() if k != "qship")
+    return f"qship {v['qship']} ({rest}; python {sys.version.split()[0]})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(versions_text() + "\n")
+        raise typer.Exit(0)
 
 
 @app.callback()
@@ -49,8 +62,39 @@ def _options(
     verbose: Annotated[
         bool, typer.Option("-v", "--verbose", help="Show library output and qship's details.")
     ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print one JSON object on stdout (also after the command)."),
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print qship's version and its engines' versions.",
+        ),
+    ] = False,  # fmt: skip
 ) -> None:
-    STATE.verbose = verbose
+    STATE.verbose = STATE.verbose or verbose
+    STATE.as_json = STATE.as_json or as_json
+
+
+class _Command(TyperCommand):
+    """Every subcommand: library output goes to the log only while the command itself runs,
+    and an unexpected error's traceback goes there too (the terminal with -v)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        from .common import cache_root
+
+        logfile = default_log(cache_root(ctx.params.get("cache_dir")))
+        with log.third_party_to(logfile, verbose=STATE.verbose):
+            try:
+                return super().invoke(ctx)
+            except Exception as e:
+                if not isinstance(e, (QshipError, typer.Exit, *_usage_errors())):
+                    traceback.print_exc()
+                raise
 
 
 for _name, _fn in (
@@ -66,7 +110,14 @@ for _name, _fn in (
     ("sensitivity", sensitivity_cmd),
     ("tune", tune_cmd),
 ):
-    app.command(_name)(_fn)
+    app.command(_name, cls=_Command)(_fn)
+
+
+def _usage_errors() -> tuple[type[BaseException], ...]:
+    # typer >= 0.25 raises its own vendored click's exceptions (TyperException)
+    import click
+
+    return (click.exceptions.ClickException, typer.exceptions.TyperException, typer.Abort)
 
 
 def _json(obj: Any) -> str:
@@ -94,31 +145,24 @@ def _fail(data: dict[str, Any], text: str, as_json: bool) -> None:
     log.info(f"error: {text}", style="red")
 
 
+def _interrupted(as_json: bool) -> int:
+    msg = "interrupted (SIGINT): nothing was published; finished stages stay in the cache"
+    _fail({"error": "Interrupted", "exit_code": INTERRUPTED, "message": msg}, msg, as_json)
+    return INTERRUPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and map exceptions to the documented exit codes."""
-    import click
-    import typer
-
-    # typer >= 0.25 raises its own vendored click's exceptions (TyperException), not click's
-    usage_errors = (click.exceptions.ClickException, click.exceptions.Abort,
-                    typer.exceptions.TyperException, typer.Abort)  # fmt: skip
     args = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in args
-    verbose = bool({"-v", "--verbose"} & set(args[: next(
-        (i for i, a in enumerate(args) if not a.startswith("-")), len(args))]))  # fmt: skip
-    STATE.verbose = verbose
-    logfile = default_log()
+    head = args[: args.index("--")] if "--" in args else args
+    as_json = "--json" in head
+    STATE.verbose, STATE.as_json = False, False
     try:
-        with log.third_party_to(logfile, verbose=verbose):
-            try:
-                result = app(args=args, standalone_mode=False)
-            except Exception as e:
-                if not isinstance(
-                    e, (QshipError, click.exceptions.Exit, typer.Exit, *usage_errors)
-                ):
-                    traceback.print_exc()  # into the log (the terminal with -v)
-                raise
-        emit(result if not isinstance(result, int) else None, as_json)
+        result = app(args=args, standalone_mode=False)
+        if isinstance(result, int) and not isinstance(result, bool):
+            # an Exit: 0 after --help / --version, 130 from typer on KeyboardInterrupt
+            return _interrupted(as_json) if result == INTERRUPTED else result
+        emit(result, as_json)
         return 0
     except QshipError as e:
         data = e.to_json()
@@ -126,15 +170,21 @@ def main(argv: list[str] | None = None) -> int:
             data["result"] = e.result.to_json()
         _fail(data, str(e), as_json)
         return e.exit_code
-    except (click.exceptions.Exit, typer.Exit) as e:
+    except KeyboardInterrupt:
+        return _interrupted(as_json)
+    except typer.Exit as e:
         return int(e.exit_code or 0)
-    except usage_errors as e:
+    except _usage_errors() as e:
+        show = getattr(e, "show", None)
+        if callable(show):
+            show()  # click's own: the usage line, "Try 'qship X --help'", the error
         fmt = getattr(e, "format_message", None)
         msg = fmt() if callable(fmt) else "aborted"
-        _fail({"error": type(e).__name__, "exit_code": 2, "message": msg}, msg, as_json)
+        if as_json:
+            sys.stdout.write(_json({"error": type(e).__name__, "exit_code": 2, "message": msg}))
         return 2
     except Exception as e:  # noqa: BLE001 - the contract maps anything else to 1
-        where = "" if verbose else f" (traceback in {logfile})"
+        where = "" if STATE.verbose else f" (traceback in {default_log()})"
         data = {"error": type(e).__name__, "exit_code": 1, "message": str(e)}
         _fail(data, f"{type(e).__name__}: {e}{where}", as_json)
         return 1

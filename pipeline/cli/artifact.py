@@ -10,7 +10,7 @@ import typer
 
 from ..errors import UsageError
 from ..records.artifact import Artifact, PublishResult, VerifyReport
-from .common import DeviceOpt, JsonOpt
+from .common import DeviceOpt, JsonOpt, VerboseOpt
 
 
 def _read_json(path: Path, what: str) -> object:
@@ -41,6 +41,7 @@ def package_cmd(
         bool, typer.Option("--no-probe", help="Skip the fp32 CPU load-probe fingerprint.")
     ] = False,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> Artifact:
     """Build the artifact directory (complete or absent) from quantize's and evaluate's outputs."""
     from ..artifact.package import package
@@ -101,6 +102,7 @@ def verify_cmd(
     ] = None,  # fmt: skip
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> VerifyReport:
     """The pre-deploy gate: checksums, file set, records, weights vs config, signature;
     with --serve, the served model against the measured one."""
@@ -149,6 +151,7 @@ def publish_cmd(
     pubkey: Annotated[Path | None, typer.Option("--pubkey", help="EC public key (PEM).")] = None,
     endpoint: Annotated[str | None, typer.Option("--endpoint", help="Hub endpoint URL.")] = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> PublishResult:
     """Publish a gated, verified artifact to a local registry or the Hub."""
     from ..artifact.publish import publish

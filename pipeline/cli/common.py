@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +12,29 @@ import typer
 from ..errors import UsageError
 from ..model.loading import OFFLOAD_MODES
 
+
+@dataclass
+class State:
+    """The flags every command takes, before or after its name."""
+
+    verbose: bool = False
+    as_json: bool = False
+
+
+STATE = State()
+
+
+def _set_verbose(value: bool) -> bool:
+    STATE.verbose = STATE.verbose or value
+    return value
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+VerboseOpt = Annotated[
+    bool,
+    typer.Option("-v", "--verbose", callback=_set_verbose, is_eager=True,
+                 help="Show library output and qship's details (also before the command)."),
+]  # fmt: skip
 CacheOpt = Annotated[
     Path | None,
     typer.Option("--cache-dir", help="Stage cache (default $QSHIP_CACHE or ~/.cache/qship)."),

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import UsageError
-from .common import CacheOpt, DeviceOpt, JsonOpt, OneLineJson, cache_root
+from .common import CacheOpt, DeviceOpt, JsonOpt, OneLineJson, VerboseOpt, cache_root
 
 
 def compare_cmd(
@@ -33,6 +33,7 @@ def compare_cmd(
     device: DeviceOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> object:
     """Compare recipes on one model: md/json/csv/html report with plots; CI matrix/collect."""
     from ..compare import compare as cmp
@@ -69,6 +70,7 @@ def sensitivity_cmd(
     device: DeviceOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> object:
     """KL when each quantized module alone is rounded (RTN): where the bits matter."""
     from ..compare.sensitivity import run
@@ -113,6 +115,7 @@ def tune_cmd(
     device: DeviceOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> object:
     """Allocate bits and group sizes per module within a budget; write and verify the recipe."""
     from ..compare.tune import parse_options, run

@@ -9,7 +9,16 @@ import typer
 
 from .. import log
 from ..records.evaluation import EvalFile
-from .common import CacheOpt, DeviceOpt, JsonOpt, OffloadOpt, cache_root, check_dtype, check_offload
+from .common import (
+    CacheOpt,
+    DeviceOpt,
+    JsonOpt,
+    OffloadOpt,
+    VerboseOpt,
+    cache_root,
+    check_dtype,
+    check_offload,
+)
 
 
 def evaluate_cmd(
@@ -37,6 +46,7 @@ def evaluate_cmd(
     offload: OffloadOpt = "none",
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> EvalFile:
     """KL / top-1 / ppl vs the reference on held-out tokens, lm-eval scores, gate (exit 4)."""
     from transformers import AutoTokenizer

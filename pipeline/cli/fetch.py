@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..records.snapshot import Snapshot
-from .common import CacheOpt, JsonOpt, RequirePinOpt, cache_root
+from .common import CacheOpt, JsonOpt, RequirePinOpt, VerboseOpt, cache_root
 
 
 def fetch_cmd(
@@ -27,6 +27,7 @@ def fetch_cmd(
     require_pin: RequirePinOpt = False,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> Snapshot:
     """Download / read a model, verify every file's SHA-256, and store the snapshot."""
     from ..fetch import fetch

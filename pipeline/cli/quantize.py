@@ -10,7 +10,7 @@ import typer
 from .. import log
 from ..records.checkpoint import QuantizedCheckpoint
 from ..records.plan import Plan
-from .common import CacheOpt, DeviceOpt, JsonOpt, OffloadOpt, cache_root, check_offload
+from .common import CacheOpt, DeviceOpt, JsonOpt, OffloadOpt, VerboseOpt, cache_root, check_offload
 
 
 def plan_cmd(
@@ -22,6 +22,7 @@ def plan_cmd(
     offload: OffloadOpt = "none",
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> Plan:
     """Every Linear module's group, method and scheme, the AWQ mappings and the size, from
     the model's config alone (no weights read)."""
@@ -64,6 +65,7 @@ def quantize_cmd(
     offload: OffloadOpt = "none",
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> QuantizedCheckpoint:
     """Calibrate, quantize and save a compressed-tensors checkpoint, checked against the plan."""
     from transformers import AutoTokenizer

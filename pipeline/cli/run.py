@@ -18,6 +18,7 @@ from .common import (
     OffloadOpt,
     RequirePinOpt,
     TorchrunOpt,
+    VerboseOpt,
     cache_root,
     check_offload,
 )
@@ -46,11 +47,12 @@ def run_cmd(
     torchrun_args: TorchrunOpt = "",
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> RunRecord:
     """recipe → fetch → tokens → quantize → evaluate → gate → package (→ publish), resumable
     through the stage cache. Library output goes to <out>.report/run.log (-v: the terminal)."""
     from ..runner import check_out, report_dir_for, run
-    from . import STATE
+    from .common import STATE
 
     check_offload(offload)
     logfile = report_dir_for(check_out(out)) / "run.log"
