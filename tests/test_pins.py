@@ -128,3 +128,36 @@ def test_run_require_pin_stops_before_any_compute(capsys, tiny_llama, tmp_path):
     run = json.loads((Path(f"{out}.report") / "run.json").read_text())
     assert not {"tokens", "quantize"} & {s["stage"] for s in run["stages"]}
     assert not out.exists()
+
+
+def test_pins_hold_from_any_working_directory(gemma_snapshot, qship_test_cache, tmp_path):
+    """The shipped pins are found from a folder without checksums/: the pinned Gemma passes
+    --require-pin there, and a tampered copy of its GGUF is refused (exit 3), also with a
+    pin folder of the user's (--checksums, $QSHIP_CHECKSUMS) that holds other pins."""
+    from tests.conftest import GEMMA_PKG
+    from tests.test_cli import cli
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    mine = tmp_path / "my-pins"
+    mine.mkdir()
+    base = ["--require-pin", "--cache-dir", str(qship_test_cache), "--json"]
+    for extra, env in (
+        ([], {}),
+        (["--checksums", str(mine)], {}),
+        ([], {"QSHIP_CHECKSUMS": str(mine)}),
+    ):
+        p = cli("fetch", GEMMA_PKG, *base, *extra, cwd=elsewhere, env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert json.loads(p.stdout)["pin_status"] == "pinned"
+    gguf = next(qship_test_cache.rglob("gemma-3-270m-q4_k_m.gguf"))
+    tampered = elsewhere / gguf.name
+    shutil.copyfile(gguf, tampered)
+    with open(tampered, "r+b") as fh:
+        fh.seek(gguf.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    p = cli("fetch", str(tampered), *base, cwd=elsewhere)
+    assert p.returncode == INTEGRITY, p.stdout + p.stderr
+    assert "not pinned" in json.loads(p.stdout)["message"]

@@ -47,6 +47,14 @@ RequirePinOpt = Annotated[
         "(by name or by content), like pip's --require-hashes.",
     ),
 ]
+ChecksumsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--checksums",
+        help="Folder of pinned manifests, looked up first and written by --pin (default "
+        "$QSHIP_CHECKSUMS, else ./checksums); qship's own pins are always looked up too.",
+    ),
+]
 DeviceOpt = Annotated[
     str | None, typer.Option("--device", help="cuda / cpu (default: the GPU when there is one).")
 ]

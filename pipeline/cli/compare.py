@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import UsageError
-from .common import CacheOpt, DeviceOpt, JsonOpt, OneLineJson, VerboseOpt, cache_root
+from .common import CacheOpt, ChecksumsOpt, DeviceOpt, JsonOpt, OneLineJson, VerboseOpt, cache_root
 
 
 def compare_cmd(
@@ -31,6 +31,7 @@ def compare_cmd(
         bool, typer.Option("--exact/--cached", help="Full-vocabulary KL (slower) or top-k + tail.")
     ] = False,
     device: DeviceOpt = None,
+    checksums: ChecksumsOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -47,7 +48,7 @@ def compare_cmd(
             raise UsageError("--model is required (or use --matrix / --collect)", path="--model")
         paths = cmp.recipe_paths((recipes or []) + (items or []))
         res = cmp.compare(model, paths, out, cache_dir=cache_root(cache_dir), device=device,
-                          exact=exact)  # fmt: skip
+                          exact=exact, checksums_dir=checksums)  # fmt: skip
     return res.require_pass()
 
 
@@ -68,6 +69,7 @@ def sensitivity_cmd(
         float | None, typer.Option("--max-bits", help="Bits-per-weight budget for --write-recipe.")
     ] = None,
     device: DeviceOpt = None,
+    checksums: ChecksumsOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -76,7 +78,8 @@ def sensitivity_cmd(
     from ..compare.sensitivity import run
 
     return run(model, recipe, cache_dir=cache_root(cache_dir), device=device, sequences=sequences,
-               out=out, write_recipe=write_recipe, max_bits=max_bits)  # fmt: skip
+               out=out, write_recipe=write_recipe, max_bits=max_bits,
+               checksums_dir=checksums)  # fmt: skip
 
 
 def tune_cmd(
@@ -113,6 +116,7 @@ def tune_cmd(
         bool, typer.Option("--exact/--cached", help="Full-vocabulary KL in the verification.")
     ] = True,
     device: DeviceOpt = None,
+    checksums: ChecksumsOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -123,5 +127,5 @@ def tune_cmd(
     res = run(model, recipe, write_recipe=write_recipe, out=out, cache_dir=cache_root(cache_dir),
               device=device, max_bits=max_bits, max_kl=max_kl,
               options=parse_options(options) if options is not None else None,
-              sequences=sequences, verify=verify, exact=exact)  # fmt: skip
+              sequences=sequences, verify=verify, exact=exact, checksums_dir=checksums)  # fmt: skip
     return res.require_met()

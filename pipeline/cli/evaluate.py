@@ -11,6 +11,7 @@ from .. import log
 from ..records.evaluation import EvalFile
 from .common import (
     CacheOpt,
+    ChecksumsOpt,
     DeviceOpt,
     JsonOpt,
     OffloadOpt,
@@ -44,6 +45,7 @@ def evaluate_cmd(
     ] = None,
     device: DeviceOpt = None,
     offload: OffloadOpt = "none",
+    checksums: ChecksumsOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -55,6 +57,7 @@ def evaluate_cmd(
     from ..data.benchmarks import prepare
     from ..data.tokens import build_token_sets
     from ..evaluate import DEFAULT_TOPK, evaluate, model_ref, write_outputs
+    from ..io.pins import checksums_dir as pin_folder
     from ..recipe import load_recipe
     from ..records.checkpoint import QuantizedCheckpoint
 
@@ -68,7 +71,7 @@ def evaluate_cmd(
         ts = build_token_sets(tok, r.calibration, ev, cache_dir=root)
         line.note = ts.info.summary()
     with log.stage("eval-data") as line:
-        data, ov = prepare(ev, tok, ts, cache_dir=root, checksums_dir=Path("checksums"),
+        data, ov = prepare(ev, tok, ts, cache_dir=root, checksums_dir=pin_folder(checksums),
                            where=str(recipe))  # fmt: skip
     with log.stage("evaluate") as line:
         report = evaluate(

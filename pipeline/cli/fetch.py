@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from ..records.snapshot import Snapshot
-from .common import CacheOpt, JsonOpt, RequirePinOpt, VerboseOpt, cache_root
+from .common import CacheOpt, ChecksumsOpt, JsonOpt, RequirePinOpt, VerboseOpt, cache_root
 
 
 def fetch_cmd(
@@ -21,9 +20,7 @@ def fetch_cmd(
     allow_pickle: Annotated[
         bool, typer.Option("--allow-pickle", help="Accept .bin/.pt/.pth weights.")
     ] = False,
-    checksums: Annotated[Path, typer.Option("--checksums", help="Pinned manifests folder.")] = Path(
-        "checksums"
-    ),
+    checksums: ChecksumsOpt = None,
     require_pin: RequirePinOpt = False,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,

@@ -12,6 +12,7 @@ from .. import log
 from ..records.run import RunRecord
 from .common import (
     CacheOpt,
+    ChecksumsOpt,
     DeviceOpt,
     GpusOpt,
     JsonOpt,
@@ -45,6 +46,7 @@ def run_cmd(
     offload: OffloadOpt = "auto",
     gpus: GpusOpt = 0,
     torchrun_args: TorchrunOpt = "",
+    checksums: ChecksumsOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -61,4 +63,5 @@ def run_cmd(
         return run(model, recipe, out, cache_dir=cache_root(cache_dir), publish_to=publish_to,
                    sign_key=sign_key, device=device, allow_pickle=allow_pickle,
                    require_pin=require_pin, offload=offload, gpus=gpus,
-                   torchrun_args=tuple(shlex.split(torchrun_args)))  # fmt: skip
+                   torchrun_args=tuple(shlex.split(torchrun_args)),
+                   checksums_dir=checksums)  # fmt: skip

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import GateFailed, UsageError
+from ..io.pins import checksums_dir as pin_folder
 from ..records.base import Record
 from ..records.evaluation import EvalFile
 from .output import REPORT_FILES, write_report
@@ -181,6 +182,7 @@ def compare(
     cache_dir: Path,
     device: str | None = None,
     exact: bool = False,
+    checksums_dir: Path | None = None,
 ) -> CompareResult:
     """Quantize, evaluate and gate every recipe on one model; write the report to `out`.
 
@@ -195,7 +197,8 @@ def compare(
     out = Path(out)
     loaded = [load_recipe(p) for p in recipes]
     matrix(list(recipes))  # unique names, before any compute
-    ctx = runner.Context(Path(cache_dir), device=device, exact_kl=exact)
+    ctx = runner.Context(Path(cache_dir), device=device, exact_kl=exact,
+                         checksums_dir=pin_folder(checksums_dir))  # fmt: skip
     for r in loaded:  # every recipe against the model's config, before any download
         runner.check_recipe(str(model), r, ctx, show_plan=False)
     snap = runner.fetch_stage(str(model), ctx)

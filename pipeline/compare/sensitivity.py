@@ -28,6 +28,7 @@ from .. import log
 from ..errors import UsageError
 from ..evaluate import reference_cache
 from ..evaluate.scoring import forward_logits, score_against_reference
+from ..io.pins import checksums_dir as pin_folder
 from ..model.devices import DTYPES, default_device
 from ..model.loading import load_model
 from ..quantize.modifiers import qargs
@@ -236,6 +237,7 @@ def run(
     *,
     cache_dir: Path,
     device: str | None = None,
+    checksums_dir: Path | None = None,
     sequences: int | None = None,
     out: Path | None = None,
     write_recipe: Path | None = None,
@@ -257,7 +259,7 @@ def run(
     if write_recipe is not None:  # before any compute
         refuse_overwrite(Path(write_recipe))
     recipe = load_recipe(recipe_path)
-    ctx = runner.Context(Path(cache_dir), device=device)
+    ctx = runner.Context(Path(cache_dir), device=device, checksums_dir=pin_folder(checksums_dir))
     runner.check_recipe(model, recipe, ctx, show_plan=False)
     snap = runner.fetch_stage(model, ctx)
     tokens = runner.tokens_stage(snap, recipe, ctx)

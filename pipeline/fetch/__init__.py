@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..io.pins import checksums_dir as pin_folder
 from ..records.snapshot import Snapshot
 from .sources import Source, parse_source
 
@@ -31,7 +32,7 @@ def fetch(
     source: str | Path,
     *,
     cache_dir: Path,
-    checksums_dir: Path = Path("checksums"),
+    checksums_dir: Path | None = None,
     allow_pickle: bool = False,
     pin: bool = False,
     require_pin: bool = False,
@@ -46,7 +47,7 @@ def fetch(
             hint="pin once with --pin (after review), then run with --require-pin",
         )
     src = parse_source(source)
-    checksums_dir, cache_dir = Path(checksums_dir), Path(cache_dir)
+    checksums_dir, cache_dir = pin_folder(checksums_dir), Path(cache_dir)
     if src.kind == "hf":
         from .hub import fetch_hub
 

@@ -22,7 +22,7 @@ from .. import log
 from ..errors import UsageError
 from ..io.cache import stage_key
 from ..io.hashing import Manifest, hash_files, list_files
-from ..io.pins import unpinned_error, verify_against_pin
+from ..io.pins import pin_path, unpinned_error, verify_against_pin
 from ..records.snapshot import Snapshot
 from .snapshot import SNAPSHOT_DIR, STAGE, finish, from_cache
 from .sources import Source
@@ -53,14 +53,14 @@ def fetch_gguf(
         require_pin=require_pin,
     )  # fmt: skip
     name = path.name
-    if found is not None and Path(found) != gguf_manifest:
+    if found is not None and Path(found).name != gguf_manifest.name:
         # pinned by content (a local copy of a pinned GGUF): it takes the pin's identity, and
         # the file name its pin records, so that the dequantized bytes match their pin too
         pinned = Manifest.load(Path(found))
         repo_id, revision = pinned.repo_id or repo_id, pinned.revision or revision
         name = next(iter(pinned.files))
     dq_revision = f"{revision}+dequant-{DTYPE}"
-    manifest_path = checksums_dir / Manifest.filename(repo_id, dq_revision)
+    manifest_path = pin_path(checksums_dir, Manifest.filename(repo_id, dq_revision))
     if require_pin and not manifest_path.is_file():
         raise unpinned_error(f"{src.text} (dequantized to {DTYPE})", manifest_path)
     key = stage_key(

@@ -18,7 +18,7 @@ from .. import log
 from ..errors import IntegrityError, UsageError
 from ..io.cache import stage_key
 from ..io.hashing import FileDigest, Manifest
-from ..io.pins import unpinned_error
+from ..io.pins import pin_path, pinned_like, unpinned_error
 from ..model.files import PICKLE_SUFFIXES, is_model_file
 from ..records.snapshot import Snapshot
 from .network import HF_DOWNLOAD_RETRIES, api_timeout, retrying
@@ -70,7 +70,10 @@ def fetch_hub(
                 if s.rfilename in rels and s.lfs is not None
             }
             _check_revision_move(checksums_dir, repo, rev, commit, pin)
-            if require_pin and not (checksums_dir / Manifest.filename(repo, commit)).is_file():
+            if (
+                require_pin
+                and not pin_path(checksums_dir, Manifest.filename(repo, commit)).is_file()
+            ):
                 raise unpinned_error(src.text, checksums_dir / Manifest.filename(repo, commit))
             local = None
             with log.Progress(f"download {repo}@{commit[:12]}", len(rels), unit="files") as bar:
@@ -94,7 +97,7 @@ def fetch_hub(
         raise IntegrityError(
             f"{rev} did not resolve to a commit SHA (got {commit!r})", path=src.text
         )
-    if require_pin and not (checksums_dir / Manifest.filename(repo, commit)).is_file():
+    if require_pin and not pin_path(checksums_dir, Manifest.filename(repo, commit)).is_file():
         raise unpinned_error(src.text, checksums_dir / Manifest.filename(repo, commit))
     if local is None:
         raise IntegrityError(
@@ -103,7 +106,7 @@ def fetch_hub(
             hint="check the repository: qship takes safetensors checkpoints",
         )
 
-    manifest_path = checksums_dir / Manifest.filename(repo, commit)
+    manifest_path = pin_path(checksums_dir, Manifest.filename(repo, commit))
     key = stage_key(STAGE, {"kind": "hf", "repo": repo, "commit": commit, "files": rels,
                             "manifest": manifest_path.is_file()})  # fmt: skip
 
@@ -165,8 +168,8 @@ def _select(names: list[str], allow_pickle: bool, src: Source) -> list[str]:
 def _check_revision_move(
     checksums_dir: Path, repo: str, rev: str | None, commit: str, pin: bool
 ) -> None:
-    pinned = sorted(Path(checksums_dir).glob(Manifest.filename(repo, "*")))
-    if pin or not pinned or (Path(checksums_dir) / Manifest.filename(repo, commit)).exists():
+    pinned = pinned_like(checksums_dir, Manifest.filename(repo, "*"))
+    if pin or not pinned or pin_path(checksums_dir, Manifest.filename(repo, commit)).exists():
         return
     old = ", ".join(p.stem.rsplit("@", 1)[1] for p in pinned)
     raise IntegrityError(

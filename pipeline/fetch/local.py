@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import IntegrityError
 from ..io.cache import stage_key
 from ..io.hashing import Manifest, list_files
+from ..io.pins import pin_path
 from ..model.files import PICKLE_SUFFIXES, WEIGHT_SUFFIXES, is_model_file
 from ..records.snapshot import Snapshot
 from .snapshot import SNAPSHOT_DIR, STAGE, copy_and_hash, finish, from_cache
@@ -33,7 +34,7 @@ def fetch_dir(
     else:
         repo_id, revision, contain = f"local/{root.name}", "local", root
     rels = scan_dir(root, contain=contain, allow_pickle=allow_pickle)
-    manifest_path = checksums_dir / Manifest.filename(repo_id, revision)
+    manifest_path = pin_path(checksums_dir, Manifest.filename(repo_id, revision))
     # the key covers what the files are now (stat) so an edited folder is fetched again
     fingerprint = [[r, *_stat(root / r)] for r in rels]
     key = stage_key(

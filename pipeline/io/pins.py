@@ -8,10 +8,15 @@ Pins are found by name (`<org>--<name>@<revision>.json`) and, failing that, by c
 (`find_by_content`): the pinned Gemma GGUF copied to `./model.gguf` is still the pinned
 file. `require_pin` makes an input that matches no pin fatal (exit 3), the way pip's
 `--require-hashes` does.
+
+Where pins live, from any working directory: the pin folder (`--checksums DIR`, else
+`$QSHIP_CHECKSUMS`, else the project's `./checksums`) first -- `--pin` writes there --
+then the manifests shipped inside qship (`pipeline/checksums/`, package data).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +25,38 @@ from .atomic import atomic_write_text
 from .hashing import FileDigest, Manifest, compare_digests, hash_files, list_files
 
 PinStatus = Literal["pinned", "pinned-now", "unpinned"]
+ENV = "QSHIP_CHECKSUMS"
+SHIPPED = Path(__file__).resolve().parent.parent / "checksums"
+
+
+def checksums_dir(explicit: Path | None = None) -> Path:
+    """The pin folder: `--checksums DIR`, else $QSHIP_CHECKSUMS, else ./checksums."""
+    if explicit is not None:
+        return Path(explicit)
+    env = os.environ.get(ENV)
+    return Path(env) if env else Path("checksums")
+
+
+def search_dirs(first: Path) -> list[Path]:
+    """Where pins are looked up, in order: the pin folder, then the shipped manifests."""
+    dirs = [Path(first)]
+    if not Path(first).resolve() == SHIPPED:
+        dirs.append(SHIPPED)
+    return [d for d in dirs if d.is_dir()]
+
+
+def pin_path(first: Path, filename: str) -> Path:
+    """The manifest `filename`: where it is found on the search path, else where `--pin`
+    writes it (the pin folder)."""
+    for d in search_dirs(first):
+        if (d / filename).is_file():
+            return d / filename
+    return Path(first) / filename
+
+
+def pinned_like(first: Path, pattern: str) -> list[Path]:
+    """Every manifest on the search path whose name matches the glob `pattern`."""
+    return sorted(p for d in search_dirs(first) for p in d.glob(pattern))
 
 
 def fail_if(problems: list[str], *, where: str, what: str, hint: str) -> None:
@@ -35,7 +72,7 @@ def find_by_content(checksums_dir: Path, files: dict[str, FileDigest]) -> Path |
     """The manifest in `checksums_dir` pinning exactly these bytes: the same files under
     the same names, or -- for a single file (a GGUF) -- the same bytes under any name."""
     want = sorted(files.values(), key=lambda d: (d.sha256, d.size))
-    for path in sorted(Path(checksums_dir).glob("*.json")):
+    for path in pinned_like(checksums_dir, "*.json"):
         pinned = Manifest.load(path).files
         if pinned == files or (
             len(files) == 1 and sorted(pinned.values(), key=lambda d: (d.sha256, d.size)) == want
@@ -65,7 +102,9 @@ def verify_against_pin(
     require_pin: bool = False,
 ) -> tuple[PinStatus, str | None]:
     """-> (pin_status, manifest path or None). Any mismatch with an existing pin: exit 3;
-    no pin by name or content with `require_pin`: exit 3."""
+    no pin by name or content with `require_pin`: exit 3. `manifest_path` is where the pin
+    is written; it is looked up on the whole search path first."""
+    manifest_path = pin_path(manifest_path.parent, manifest_path.name)
     if not manifest_path.is_file():
         found = find_by_content(manifest_path.parent, files)
         if found is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from .. import gate, log
 from ..errors import QshipError, UsageError
 from ..io.atomic import atomic_write_text
+from ..io.pins import checksums_dir as pin_folder
 from ..recipe import Recipe, load_recipe
 from ..records.checkpoint import QuantizedCheckpoint
 from ..records.evaluation import EvalFile
@@ -92,7 +93,7 @@ def run(
     sign_key: Path | None = None,
     device: str | None = None,
     allow_pickle: bool = False,
-    checksums_dir: Path = Path("checksums"),
+    checksums_dir: Path | None = None,
     require_pin: bool = False,
     offload: str = "auto",
     gpus: int = 0,
@@ -102,7 +103,7 @@ def run(
     Raises GateFailed (4) when the gate fails; every error carries the RunRecord."""
     out = check_out(out)
     recipe = load_recipe(recipe_path)
-    ctx = Context(Path(cache_dir), device=device, checksums_dir=Path(checksums_dir),
+    ctx = Context(Path(cache_dir), device=device, checksums_dir=pin_folder(checksums_dir),
                   require_pin=require_pin, offload=offload, gpus=gpus,
                   torchrun_args=torchrun_args)  # fmt: skip
     reports = report_dir_for(out)

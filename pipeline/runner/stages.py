@@ -15,6 +15,7 @@ from .. import gate, log
 from ..data.tokens import TokenSets, build_token_sets
 from ..errors import StageError
 from ..io.cache import StageCache, stage_key
+from ..io.pins import checksums_dir
 from ..model.devices import device_kind
 from ..recipe import Recipe
 from ..records.checkpoint import QuantizedCheckpoint
@@ -41,7 +42,7 @@ class EvalData:
 class Context:
     cache_dir: Path
     device: str | None = None
-    checksums_dir: Path = Path("checksums")
+    checksums_dir: Path = field(default_factory=checksums_dir)  # pins (io.pins)
     require_pin: bool = False  # an input no manifest pins is exit 3 (--require-pin)
     offload: str = "auto"  # where the weights live (--offload); check_recipe resolves auto
     gpus: int = 0  # >0: quantize under torchrun with this many processes (--gpus)
