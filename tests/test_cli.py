@@ -97,3 +97,23 @@ def test_ctrl_c_exits_130_with_the_error_object(tiny_llama, rtn_recipe, tmp_path
     err = json.loads(stdout)
     assert err["exit_code"] == INTERRUPTED and "interrupted" in err["message"]
     assert not out.exists()
+
+
+def test_out_below_a_file_or_being_written_exits_2_before_any_compute(
+    tiny_llama, rtn_recipe, tmp_path, capsys
+):
+    from cli_run import qship as run_cli
+
+    from pipeline.runner import out_lock
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    base = ["run", "--model", str(tiny_llama), "--recipe", str(rtn_recipe), "--device", "cpu",
+            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    rc, err = run_cli(capsys, *base, "--out", str(blocker / "art"))
+    assert rc == 2 and "is a file" in err["message"]
+    out = tmp_path / "art"
+    with out_lock(out, tmp_path / "cache"):  # another run holds this --out
+        rc, err = run_cli(capsys, *base, "--out", str(out))
+    assert rc == 2 and "another qship run" in err["message"]
+    assert not out.exists() and not (tmp_path / "cache" / "quantize").exists()

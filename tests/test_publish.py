@@ -244,3 +244,33 @@ def test_hub_publish_refused_before_any_request(packaged_artifact, tmp_path, fak
     with pytest.raises(IntegrityError, match="extra.bin"):
         publish(art, "hf://qship-org/tiny-w4", endpoint=fake_hub, token="hf_test")
     assert FakeHub.calls == [] and FakeHub.commits == []
+
+
+def test_run_publish_outage_exits_5_and_the_same_command_then_publishes(
+    tiny_llama, tmp_path, capsys, monkeypatch, fake_hub
+):
+    """A Hub outage during `qship run --publish-to` exits 5 naming the host; the artifact
+    stays, and the same command again verifies and publishes it without recomputing.
+    The same --out with another recipe is still refused (exit 2)."""
+    import huggingface_hub.constants as C
+    from test_concurrency_disk import recipe
+
+    monkeypatch.setenv("QSHIP_NET_RETRIES", "2")
+    monkeypatch.setenv("QSHIP_NET_BACKOFF", "0.01")
+    monkeypatch.setattr(C, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    out = tmp_path / "art"
+    args = ["run", "--model", str(tiny_llama), "--recipe", str(recipe(tmp_path, "pub-rtn")),
+            "--out", str(out), "--device", "cpu", "--cache-dir", str(tmp_path / "cache"),
+            "--publish-to", "hf://qship-org/tiny"]  # fmt: skip
+    rc, err = cli(args, capsys)
+    assert rc == 5, err
+    assert "127.0.0.1:9" in err["message"] and "without recomputing" in err["hint"]
+    assert (out / "SHA256SUMS").is_file()
+    monkeypatch.setattr(C, "ENDPOINT", fake_hub)
+    rc, rec = cli(args, capsys)
+    assert rc == 0, rec
+    assert [s["stage"] for s in rec["stages"]] == ["recipe", "fetch", "verify", "publish"]
+    assert rec["published"]["status"] == "published" and len(FakeHub.commits) == 1
+    other = [*args[:4], str(recipe(tmp_path, "pub-rtn8", bits=8)), *args[5:]]
+    rc, err = cli(other, capsys)
+    assert rc == 2 and "another recipe" in err["message"]

@@ -41,7 +41,7 @@ from ..records.snapshot import Snapshot
 from ..records.verdict import Verdict
 from . import model_card
 from .probe import fingerprint, probe_ids
-from .provenance import build_provenance
+from .provenance import PROVENANCE, build_provenance
 from .signing import SIGNATURE, sign_artifact
 from .verify import SUMS, check_records, check_sums, check_weights
 from .weights import DEFAULT_SHARD_SIZE, source_weights, write_weights
@@ -165,9 +165,7 @@ def package(
             served=evaluation.served,
             timings={**(timings or {}), **{f"package.{k}": v for k, v in steps.items()}},
         )
-        (tmp / "provenance.json").write_text(
-            json.dumps(prov.to_json(), indent=2, sort_keys=True) + "\n"
-        )
+        (tmp / PROVENANCE).write_text(json.dumps(prov.to_json(), indent=2, sort_keys=True) + "\n")
         rels = [p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()]
         digests = hash_files(tmp, [r for r in rels if r not in (SUMS, SIGNATURE)])
         sums = {r: d.sha256 for r, d in digests.items()}

@@ -21,6 +21,8 @@ from ..records.checkpoint import QuantizedCheckpoint
 from ..records.served import ServedCheck
 from ..records.snapshot import Snapshot
 
+PROVENANCE = "provenance.json"
+
 PIPELINE_DIR = Path(__file__).resolve().parents[1]
 
 

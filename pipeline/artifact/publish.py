@@ -37,6 +37,7 @@ from urllib.parse import unquote, urlparse
 from ..errors import GateFailed, IntegrityError, UsageError
 from ..io.atomic import atomic_dir, atomic_write_text, remove_stale_partials
 from ..io.hashing import parse_sha256sums, sha256_bytes
+from ..io.network import retrying
 from ..records.artifact import Provenance, PublishResult
 from ..records.verdict import Verdict
 from .signing import SIGNATURE
@@ -174,24 +175,39 @@ def _publish_hub(
     revision: str | None,
     private: bool,
 ) -> PublishResult:
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
 
     listed = parse_sha256sums((root / SUMS).read_bytes(), where=str(root / SUMS))
     allow = sorted(listed) + [SUMS] + ([SIGNATURE] if (root / SIGNATURE).exists() else [])
     api = HfApi(endpoint=endpoint, token=token)
-    api.create_repo(repo_id, repo_type="model", exist_ok=True, private=private)
-    info = api.upload_folder(
-        repo_id=repo_id,
-        repo_type="model",
-        folder_path=str(root),
-        allow_patterns=allow,
-        commit_message=msg,
-        commit_description=(
-            "Published by qship after `qship verify` passed. "
-            "Check with `sha256sum -c SHA256SUMS` or `qship verify`."
-        ),
-        revision=revision,
-    )
+    host = f"Hub API {endpoint or constants.ENDPOINT}"
+    where = f"hf://{repo_id}"
+    hint = "the artifact is built and verified: the same `qship run` or `qship publish` " \
+        "command publishes it without recomputing"  # fmt: skip
+    try:
+        retrying(lambda: api.create_repo(repo_id, repo_type="model", exist_ok=True,
+                                         private=private),
+                 what=f"creating {repo_id}", host=host, path=where, hint=hint)  # fmt: skip
+        info = retrying(
+            lambda: api.upload_folder(
+                repo_id=repo_id,
+                repo_type="model",
+                folder_path=str(root),
+                allow_patterns=allow,
+                commit_message=msg,
+                commit_description=(
+                    "Published by qship after `qship verify` passed. "
+                    "Check with `sha256sum -c SHA256SUMS` or `qship verify`."
+                ),
+                revision=revision,
+            ),
+            what=f"upload of {root.name} to {repo_id}", host=host, path=where, hint=hint,
+        )  # fmt: skip
+    except HfHubHTTPError as e:  # not transient: refused (a bad token, no rights, bad name)
+        raise UsageError(f"the Hub refused the upload to {repo_id}: {e}", path=where,
+                         hint="check HF_TOKEN's write access to the repository and its "
+                         "name") from e  # fmt: skip
     url = getattr(info, "commit_url", None) or str(info)
     return PublishResult(target=f"hf://{repo_id}", name=repo_id, version=revision or "main",
                          location=url, status="published", commit_message=msg, commit_url=url)  # fmt: skip

