@@ -5,7 +5,7 @@
 #   stage        install .whl (qship's wheels), copy .benchcache + .qship-gpu, stash .devstash/*
 #   gemma-bg     join the Gemma GGUF, then `qship run` gemma-mixed-w4-bench16 in the background
 #                (setsid: it outlives the call) -> /root/stash/art-gemma, log gemma-run.log
-#   vllm1        unpack part 1 of vLLM 0.26.0 (../shared/tools/vllm-h200/pack_vllm.sh)
+#   vllm1        unpack part 1 of vLLM 0.26.0 (the wheel and its sm_90 dependencies, xz-packed)
 #   vllm-env     unpack what arrived and write $S/vllm-python (vLLM's own environment)
 #   vllm2        part 2, then the tiny Llama: qship run (query rounding on / K,V only) and
 #                `qship verify --serve vllm` with kv_cache_dtype auto and bfloat16

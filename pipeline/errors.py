@@ -1,4 +1,4 @@
-"""Exception types, one per exit-code class of the CLI contract (DESIGN.md).
+"""Exception types, one per exit-code class of the CLI contract (README.md, "Exit codes").
 
     0 success · 1 unexpected error · 2 usage error or invalid recipe/config
     3 integrity failure (checksum, signature, unsafe or malformed file)

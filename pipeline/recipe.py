@@ -27,8 +27,10 @@ Gemma) are the plan's (pipeline/quantize/validate.py): a recipe alone is checked
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -321,10 +323,43 @@ def _loc(loc: tuple) -> str:
     return out or "<top level>"
 
 
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The schema class whose field the last part of `loc` names (lists and unions seen
+    through), or None."""
+    model: type[BaseModel] | None = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        f = model.model_fields.get(str(part))
+        model = _inner_model(f.annotation) if f is not None else None
+    return model
+
+
+def _inner_model(tp: Any) -> type[BaseModel] | None:
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in typing.get_args(tp):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _closest_key(loc: tuple) -> str | None:
+    model = _model_at(loc)
+    if model is None or not loc:
+        return None
+    keys = [f.alias or name for name, f in model.model_fields.items()]
+    found = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
 def _fix_for(err: Any) -> str:
     t = err.get("type", "")
     if t == "extra_forbidden":
-        return "delete this key (unknown key; check its spelling against docs/recipes or pipeline/recipe.py)"
+        near = _closest_key(err["loc"])
+        return (f"rename it to `{near}`" if near else "delete or rename this key") + (
+            " (the recipe keys: README.md, \"Recipes\", and pipeline/recipe.py)")  # fmt: skip
     if t == "missing":
         return "add this required field"
     if t.startswith("literal_error"):
@@ -342,10 +377,14 @@ def parse_recipe(data: Any, *, path: str = "<recipe>") -> Recipe:
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        errs = e.errors()
+        # an unknown key first: a typo (`group:`) also makes the real key look missing
+        errs = sorted(e.errors(), key=lambda x: x.get("type") != "extra_forbidden")
         first = errs[0]
         field = _loc(first["loc"])
         msg = first["msg"].removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":
+            near = _closest_key(first["loc"])
+            msg = "unknown key" + (f" (did you mean `{near}`?)" if near else "")
         more = f" (and {len(errs) - 1} more problem(s))" if len(errs) > 1 else ""
         raise RecipeError(
             f"field `{field}`: {msg}{more}",

@@ -117,3 +117,53 @@ def test_out_below_a_file_or_being_written_exits_2_before_any_compute(
         rc, err = run_cli(capsys, *base, "--out", str(out))
     assert rc == 2 and "another qship run" in err["message"]
     assert not out.exists() and not (tmp_path / "cache" / "quantize").exists()
+
+
+def test_plan_through_a_pipe_is_a_short_summary_and_the_table_is_whole(tiny_gemma, tmp_path):
+    recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "gemma-mixed-w4.yaml")
+    p = cli("plan", "--model", str(tiny_gemma), "--recipe", recipe, "--device", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) <= 20, p.stderr
+    text = p.stderr
+    assert "attention" in text and "fused sets: 8" in text and "estimate on cpu" in text
+    assert "model.layers.0.self_attn.q_proj" not in text  # the table only when asked
+    t = cli("plan", "--model", str(tiny_gemma), "--recipe", recipe, "--device", "cpu",
+            "--table", cwd=tmp_path)  # fmt: skip
+    rows = [ln.split() for ln in t.stderr.splitlines() if ln.startswith("model.layers.")]
+    assert len(rows) == 28 and "…" not in t.stderr
+    q = next(r for r in rows if r[0] == "model.layers.0.self_attn.q_proj")
+    assert q[1:4] == ["attention", "awq", "int4"]
+
+
+def test_a_recipe_typo_names_the_unknown_key_first_with_the_closest(tiny_gemma, tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    typo = tmp_path / "typo.yaml"
+    typo.write_text((root / "recipes" / "gptq-w4.yaml").read_text().replace("groups:", "group:"))
+    p = cli("plan", "--model", str(tiny_gemma), "--recipe", str(typo), "--json", cwd=tmp_path)
+    assert p.returncode == 2
+    err = json.loads(p.stdout)
+    assert err["message"].startswith("field `group`: unknown key (did you mean `groups`?)")
+    assert "README.md" in err["hint"]
+
+
+def test_docs_and_code_name_only_files_that_exist_in_the_repository():
+    """No pointer outside the repository (DESIGN.md / FINDINGS.md live elsewhere) and no
+    path under docs/, pipeline/, recipes/, bench/, tests/ or tools/ that does not exist, in
+    the living docs, the code and the recipes (bench/RESULTS.md is a dated record)."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    texts = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "recipes").glob("*.yaml"),
+             *(root / "pipeline").rglob("*.py")]  # fmt: skip
+    path = re.compile(r"(?<![\w./-])((?:docs|pipeline|recipes|bench|tests|tools)/[\w./-]*\w)")
+    bad = []
+    for f in texts:
+        s = f.read_text(encoding="utf-8")
+        bad += [f"{f.name}: {w}" for w in ("FINDINGS.md", "DESIGN.md", "../shared") if w in s]
+        for m in path.finditer(s):
+            p = m.group(1)
+            placeholder = re.search(r"/(X|my-[\w-]+)\.yaml$|/tiny$", p)
+            if not placeholder and not (root / p).exists():
+                bad.append(f"{f.relative_to(root)}: {p}")
+    assert not bad, bad

@@ -296,3 +296,24 @@ def test_two_nodes_through_rendezvous_flags(setup, tiny_llama, tmp_path):
     assert got.get("node1", "missing") is None, got
     assert qc is not None and qc.processes == 2 and not (tmp_path / "node1").exists()
     _same_quality(plain.path, qc.path, tiny_llama, tokens.heldout_ids.long())
+
+
+def test_the_time_estimate_follows_the_method(tiny_gemma):
+    """AutoRound > AWQ > GPTQ > RTN for the same modules, tokens and device (the per-method
+    costs fitted on the RESULTS rows); a kept module costs nothing."""
+    from transformers import AutoConfig
+
+    from pipeline.quantize import plan_for_config
+    from pipeline.quantize.estimate import estimate
+    from pipeline.recipe import parse_recipe
+
+    config = AutoConfig.from_pretrained(tiny_gemma)
+    for device in ("cpu", "cuda"):
+        secs = {}
+        for method in ("autoround", "awq", "gptq", "rtn"):
+            r = parse_recipe({"name": method, "others": "keep",
+                              "calibration": {"num_samples": 4096, "seq_len": 2048}, "groups": [
+                {"name": "all", "roles": ["attention", "mlp"], "method": method,
+                 "scheme": {"bits": 4, "group_size": 32, "symmetric": False}}]})  # fmt: skip
+            secs[method] = estimate(plan_for_config(config, r), config, r, device).quantize_s
+        assert secs["autoround"] > secs["awq"] > secs["gptq"] > secs["rtn"], (device, secs)

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from .. import log
 from ..records.checkpoint import QuantizedCheckpoint
 from ..records.plan import Plan
-from .common import CacheOpt, DeviceOpt, JsonOpt, OffloadOpt, VerboseOpt, cache_root, check_offload
+from .common import (
+    STATE,
+    CacheOpt,
+    DeviceOpt,
+    JsonOpt,
+    OffloadOpt,
+    VerboseOpt,
+    cache_root,
+    check_offload,
+)
 
 
 def plan_cmd(
@@ -20,12 +29,16 @@ def plan_cmd(
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
     device: DeviceOpt = None,
     offload: OffloadOpt = "none",
+    table: Annotated[
+        bool, typer.Option("--table", help="Also list every Linear module (as -v does).")
+    ] = False,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> Plan:
-    """Every Linear module's group, method and scheme, the AWQ mappings and the size, from
-    the model's config alone (no weights read)."""
+    """The recipe on the model, from its config alone (no weights read): each group's method,
+    scheme and module count, the KV cache, the size, the resource estimate, the fused sets
+    and warnings; --table (or -v) adds every Linear module's line."""
     from ..fetch import read_config
     from ..model.devices import default_device, free_cpu_bytes, free_gpu_bytes
     from ..quantize import plan_for_config
@@ -38,23 +51,41 @@ def plan_cmd(
     est = choose(plan, config, r, device or default_device(), offload=check_offload(offload),
                  free_gpu_bytes=free_gpu_bytes(device), free_cpu_bytes=free_cpu_bytes())  # fmt: skip
     plan = plan.model_copy(update={"estimate": est})
-    if not as_json:
-        log.console().print(module_table(plan))
+    if not (as_json or STATE.as_json):
+        if table or STATE.verbose:
+            log.info(module_table(plan))
+        log.info(plan_summary(plan, table=table or STATE.verbose))
     return plan
 
 
-def module_table(plan: Plan) -> Any:
-    from rich.table import Table
+def plan_summary(plan: Plan, *, table: bool = False) -> str:
+    """The plan's summary, the fused sets (one scheme each, checked) and its warnings."""
+    from ..model.roles import fused_sets
 
-    t = Table(title=f"plan: {plan.recipe_name} on {plan.architecture}", show_lines=False)
-    t.add_column("module", no_wrap=True)
-    for col in ("group", "method", "scheme", "in→out", "bits/w"):
-        t.add_column(col)
-    for m in plan.modules:
-        sch = m.scheme.label() if m.scheme else f"{plan.dtype} (kept)"
-        t.add_row(m.name, m.group, m.method, sch + (" (tied)" if m.tied else ""),
-                  f"{m.in_features}→{m.out_features}", f"{m.bits_per_weight:.3f}")  # fmt: skip
-    return t
+    sets = [s for s in fused_sets(m.name for m in plan.modules) if len(s) > 1]
+    lines = [plan.summary()]
+    if sets:
+        lines.append(f"  fused sets: {len(sets)} (e.g. {', '.join(n.rsplit('.', 1)[-1] for n in sets[0])}"
+                     "), each stored one way as vLLM loads them")  # fmt: skip
+    lines += [f"  ! {n}" for n in plan.notes]
+    if not table:
+        lines.append("  (every module: qship plan --table)")
+    return "\n".join(lines)
+
+
+def module_table(plan: Plan) -> str:
+    """One plain line per Linear module, columns as wide as their widest cell: nothing is
+    cut, in a terminal or a pipe."""
+    head = ("module", "group", "method", "scheme", "in→out", "bits/w")
+    rows = [head] + [
+        (m.name, m.group, m.method,
+         (m.scheme.label() if m.scheme else f"{plan.dtype} (kept)") + (" (tied)" if m.tied else ""),
+         f"{m.in_features}→{m.out_features}", f"{m.bits_per_weight:.3f}")
+        for m in plan.modules
+    ]  # fmt: skip
+    width = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)).rstrip()
+                     for r in rows)  # fmt: skip
 
 
 def quantize_cmd(

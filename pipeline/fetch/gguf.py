@@ -173,7 +173,7 @@ def _drop_load_flags(path: Path) -> None:
 def dequantize(path: Path, out: Path, *, name: str | None = None) -> str | None:
     """GGUF -> model.safetensors (bf16) + config + generation config + tokenizer in `out`.
 
-    `save_pretrained` refuses a GGUF-loaded model (FINDINGS.md), so the state dict is
+    `save_pretrained` refuses a GGUF-loaded model (transformers 5.17), so the state dict is
     written with safetensors directly. Returns the GGUF's `general.license`.
     """
     import torch

@@ -3,7 +3,7 @@ GGUF's own tokenizer metadata.
 
 Why: transformers 5.17 (the newest llm-compressor 0.14 allows) converts Gemma 3's GGUF
 tokenizer wrongly — no BOS, pieces split oddly, and after save/reload a Unigram model
-that splits text into characters (FINDINGS.md). The GGUF carries everything needed:
+that splits text into characters ("The capital of France is" -> 10 pieces, no BOS). The GGUF carries everything needed:
 `tokenizer.ggml.tokens`, `scores` (SentencePiece merge priorities), `token_type`
 (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte) and the special ids.
 We build the same pipeline as Gemma's published tokenizer.json: spaces -> '▁', no

@@ -24,6 +24,11 @@ constants are fitted to measured runs (bench/RESULTS.md "Resource estimate"): C 
 0.425 s and b = 8.14e-9 s per parameter at 65,536 tokens (H200: Gemma 3 270M and an
 8B-dims Llama), k = 2.2e-10 s per parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9
 s per byte (H200 host link, page-locked host copies: 8B dims, --offload cpu vs none).
+The time terms count each Linear's parameters weighted by what its method costs relative to
+the mixed recipe the constants were fitted on (METHOD_COST): on the 2-core CPU (Gemma 3 270M,
+32 x 256 tokens, one process per recipe) RTN took 33.7 s, GPTQ 66.5 s, AWQ 445.9 s and the
+mixed recipe 181.8 s; on the H200 (128 x 512 tokens) RTN 8.4 s, GPTQ 7.9-10.6 s, AWQ 16.3 s,
+mixed 15.5 s and AutoRound 272.3 s (about 25x GPTQ). A module kept 16-bit costs nothing.
 Not yet fitted for MoE: on 2 layers of Qwen3-30B-A3B dims the GPU peak measured 18.7 GB
 against 9.4 GB predicted (bench/RESULTS.md, "Fused sets"); the phase that grows is unknown.
 """
@@ -43,6 +48,11 @@ R_CPU = 2.0 * GB
 A_S, B_S, TOKENS_REF = 0.425, 8.14e-9, 65_536
 K_CPU = 2.2e-10
 T_OFFLOAD = 0.7e-9
+# seconds per parameter-token of each method / the mixed recipe's (the fit above)
+METHOD_COST = {
+    "cpu": {"rtn": 0.19, "gptq": 0.37, "awq": 2.47, "autoround": 9.2, "none": 0.0},
+    "cuda": {"rtn": 0.1, "gptq": 0.5, "awq": 1.6, "autoround": 12.5, "none": 0.0},
+}
 BASIS = ("fitted on Gemma 3 270M (H200, 2-core CPU) and an 8B-dims Llama (H200), "
          "bench/RESULTS.md")  # fmt: skip
 
@@ -65,6 +75,10 @@ def estimate(
         m for m in plan.modules if any(m.name.startswith(d + ".") for d in plan.decoder_layers)
     ]
     layer_params = sum(m.in_features * m.out_features for m in in_layers) / layers
+    cost = METHOD_COST["cuda" if device.startswith("cuda") else "cpu"]
+    # the parameters of a layer as the time fit counts them: weighted by each method's cost
+    timed_params = sum(m.in_features * m.out_features * cost.get(m.method, 1.0)
+                       for m in in_layers) / layers  # fmt: skip
     per_layer_hess: dict[str, int] = {}
     for m in in_layers:
         if m.method == "gptq":
@@ -87,7 +101,7 @@ def estimate(
     if gpu:
         oneshot = resident + acts + hess + awq + C_GPU
         q_gpu: int | None = int(max(oneshot, resident + (q if offload == "none" else 0) + C_GPU))
-        seconds = layers * (A_S + B_S * layer_params * tokens / TOKENS_REF)
+        seconds = layers * (A_S + B_S * timed_params * tokens / TOKENS_REF)
         if offload != "none":
             seconds += layers * T_OFFLOAD * layer_params * 2
         cpu = {"none": w, "cpu": 2 * w + 2 * q, "disk": unit}[offload] + R_CPU
@@ -97,7 +111,7 @@ def estimate(
         )
     else:
         q_gpu = e_gpu = None
-        seconds = layers * K_CPU * layer_params * tokens
+        seconds = layers * K_CPU * timed_params * tokens
         cpu = (2 * w if offload == "none" else unit) + R_CPU  # float32 on the CPU
     reference = ev.sequences * (ev.seq_len - 1) * min(4096, vocab or 4096) * 8
     # + W while quantize runs: its finished layers, kept for a resume (resume.py)
