@@ -294,3 +294,24 @@ def test_cli_package(package_inputs, tmp_path, capsys):
     (tmp_path / "eval.json").write_text(json.dumps({"kl": 0.1}))
     assert main(argv) == 2 and "EvalFile" in json.loads(capsys.readouterr().out)["message"]
     assert not (tmp_path / "art2").exists()
+
+
+def test_artifact_files_are_shareable_and_hold_no_builder_path(packaged_artifact, tmp_path):
+    """Mode of the umask (0644 files, 0755 folders under 022) and no absolute path of the
+    building machine in any file: paths relative to the artifact, or content hashes."""
+    import os
+    import stat
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert mask == 0o022  # pytest's default: the usual umask
+    for p in [packaged_artifact, *packaged_artifact.rglob("*")]:
+        mode = stat.S_IMODE(p.stat().st_mode)
+        assert mode == (0o755 if p.is_dir() else 0o644), (p, oct(mode))
+    roots = {str(packaged_artifact.parent.parent), os.environ.get("QSHIP_CACHE", "/nonexistent"),
+             str(Path.home()), "/tmp/", str(Path(__file__).resolve().parent.parent)}  # fmt: skip
+    for p in packaged_artifact.rglob("*"):
+        if p.is_file() and p.suffix in (".json", ".md", ".yaml", "") and p.stat().st_size < 10**7:
+            text = p.read_text(encoding="utf-8", errors="replace")
+            found = [r for r in roots if r in text]
+            assert not found, (p.name, found)

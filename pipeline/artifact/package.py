@@ -140,7 +140,8 @@ def package(
             shutil.copyfile(evaluation.measured.file, tmp / MEASURED_IN_ARTIFACT)
             measured = evaluation.measured.model_copy(update={"file": MEASURED_IN_ARTIFACT})
             evaluation = evaluation.model_copy(update={"measured": measured})
-        ev = EvalFile.of(evaluation, verdict=verdict, quantize=checkpoint.brief(), probe=fp)
+        ev = portable(EvalFile.of(evaluation, verdict=verdict, quantize=checkpoint.brief(),
+                                  probe=fp))  # fmt: skip
         (tmp / "eval.json").write_text(json.dumps(ev.to_json(), indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(
             model_card.render(
@@ -185,3 +186,16 @@ def package(
         passed=verdict.passed,
         timings=steps,
     )
+
+
+def portable(ev: EvalFile) -> EvalFile:
+    """eval.json as the artifact carries it: no path of the building machine. The candidate
+    is the artifact itself (`.`); the reference and its cached log-probs are named by what
+    identifies them (the model hash, the cache key), not where they were."""
+    update: dict = {"candidate": ev.candidate.model_copy(update={"path": Path(".")}),
+                    "reference": ev.reference.model_copy(
+                        update={"path": Path(f"model-hash-{ev.reference.model_hash[:16]}")})}  # fmt: skip
+    if ev.reference_cache is not None:
+        update["reference_cache"] = ev.reference_cache.model_copy(
+            update={"path": Path(f"reference/{ev.reference_cache.key}")})  # fmt: skip
+    return ev.model_copy(update=update)

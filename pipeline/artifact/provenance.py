@@ -67,7 +67,11 @@ def build_provenance(
     src = None
     if source is not None:
         src = SourceProvenance(
-            spec=source.source,
+            # a local folder or file by its name: the builder's path means nothing elsewhere,
+            # the file hashes below say what it was
+            spec=f"local:{Path(source.source).name}"
+            if Path(source.source).is_absolute()
+            else source.source,
             repo_id=source.repo_id,
             revision=source.revision,
             model_hash=source.model_hash,

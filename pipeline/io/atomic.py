@@ -64,11 +64,19 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def umask() -> int:
+    """The process's umask (read by setting and restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would hide reports from a team
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -98,6 +106,7 @@ def atomic_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     try:
+        tmp.chmod(0o777 & ~umask())  # mkdtemp's 0700 would hide the artifact from a team
         yield tmp
         fsync_tree(tmp)
         if target.exists():

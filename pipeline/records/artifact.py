@@ -14,7 +14,7 @@ from .tokens import TokenSetInfo
 
 class SourceProvenance(Record):
     spec: str
-    """The source as resolved."""
+    """The source as resolved (a local folder or file: `local:<name>`, its hashes in `files`)."""
     repo_id: str | None
     """Repository (or local/, gguf/, pypi/ name)."""
     revision: str | None
