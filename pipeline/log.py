@@ -31,7 +31,11 @@ _detail = logging.getLogger("qship")
 _detail.addHandler(logging.NullHandler())
 _detail.propagate = False
 _detail.setLevel(logging.INFO)
-PLAIN_EVERY_S = 60.0  # without a terminal, a progress line at most this often
+# without a terminal: a progress line at most this often, and a "still running" line at
+# least this often in any stage or child process that prints nothing of its own
+PLAIN_EVERY_S = float(os.environ.get("QSHIP_PROGRESS_EVERY", "60"))
+_last_line = time.monotonic()  # when qship last printed a line of its own
+_beating: list[object] = []  # the heartbeats running, innermost last
 
 
 def console() -> Console:
@@ -40,7 +44,74 @@ def console() -> Console:
 
 def info(text: str, style: str | None = None) -> None:
     """One line of qship's own output (stderr)."""
+    global _last_line
+    _last_line = time.monotonic()
     _console.print(Text(text, style=style or ""))
+
+
+@contextlib.contextmanager
+def heartbeat(label: str) -> Iterator[None]:
+    """Without a terminal, `  label: still running (3m00s)` whenever qship has printed no
+    line for PLAIN_EVERY_S, so that a CI log shows a long step is alive (a terminal has
+    its live bars)."""
+    if _console.is_terminal:
+        yield
+        return
+    stop = threading.Event()
+    t0 = time.monotonic()
+    me = object()
+    _beating.append(me)
+
+    def beat() -> None:
+        while not stop.wait(min(PLAIN_EVERY_S / 4, 5.0)):
+            # the innermost step speaks: "lm-eval …", not the stage around it
+            if _beating[-1] is me and time.monotonic() - _last_line >= PLAIN_EVERY_S:
+                info(f"  {label}: still running ({_fmt_s(time.monotonic() - t0)})")
+
+    t = threading.Thread(target=beat, name=f"heartbeat {label}", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        _beating.remove(me)
+
+
+def run_child(cmd: list[str], *, label: str, env: dict[str, str] | None = None,
+              cwd: str | Path | None = None, timeout: float | None = None,
+              ) -> tuple[int, str]:  # fmt: skip
+    """Run a child process with its output (stdout and stderr) copied line by line to this
+    process's stderr -- the log file while `third_party_to` is active, the terminal with -v
+    -- and a heartbeat while it runs. -> (exit code, the last 200 lines of its output).
+    subprocess.TimeoutExpired after `timeout` seconds (the child is killed)."""
+    import collections
+    import subprocess
+
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    with heartbeat(label):
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace")  # fmt: skip
+        assert proc.stdout is not None
+
+        def copy() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                tail.append(line)
+                sys.stderr.write(line)
+
+        reader = threading.Thread(target=copy, name=f"output of {label}", daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            reader.join(timeout=10)
+    sys.stderr.flush()
+    return rc, "".join(tail)
 
 
 def detail(text: str) -> None:
@@ -77,7 +148,8 @@ def stage(name: str) -> Iterator[StageLine]:
     """`✓ name  note  (12.3 s)` when the block ends, `✗ name failed after …` when it raises."""
     line = StageLine(name)
     try:
-        yield line
+        with heartbeat(name):
+            yield line
     except BaseException:
         _console.print(
             Text.assemble(("✗ ", "red bold"), f"{name:<9} failed after {_fmt_s(line.seconds)}")

@@ -167,3 +167,46 @@ def test_docs_and_code_name_only_files_that_exist_in_the_repository():
             if not placeholder and not (root / p).exists():
                 bad.append(f"{f.relative_to(root)}: {p}")
     assert not bad, bad
+
+
+def test_the_gpu_wheel_list_carries_what_the_shipped_recipes_corpora_need():
+    from pipeline.data.corpus import SOURCE_NEEDS
+    from pipeline.recipe import load_recipe
+
+    root = Path(__file__).resolve().parent.parent
+    listed = {ln.split("==")[0].lower().replace("-", "_")
+              for ln in (root / "bench" / "gpu_wheels.txt").read_text().split()}  # fmt: skip
+    for path in sorted((root / "recipes").glob("*.yaml")):
+        need = SOURCE_NEEDS.get(load_recipe(path).calibration.source, ())
+        missing = [n for n in need if n.lower().replace("-", "_") not in listed]
+        assert not missing, (path.name, missing)
+
+
+def test_a_long_step_without_a_terminal_prints_a_line_every_period(tmp_path):
+    """No TTY, a stage that prints nothing for 2.2 periods and a silent child process:
+    a 'still running' line each period, and the child's output in the log, not on the
+    terminal."""
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from pipeline import log\n"
+        "with log.third_party_to(Path(sys.argv[1])):\n"
+        "    with log.stage('fake'):\n"
+        "        time.sleep(2.2 * log.PLAIN_EVERY_S)\n"
+        "        rc, out = log.run_child([sys.executable, '-c', 'import time; "
+        "print(\"child says hi\", flush=True); time.sleep(1.2)'], label='child')\n"
+        "    assert rc == 0 and 'child says hi' in out\n"
+    )  # fmt: skip
+    logfile = tmp_path / "run.log"
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, str(script), str(logfile)], capture_output=True,
+                       text=True, timeout=120, cwd=root,
+                       env={**os.environ, "QSHIP_PROGRESS_EVERY": "0.5",
+                            "PYTHONPATH": str(root)})  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    beats = [ln for ln in p.stderr.splitlines() if "still running" in ln]
+    assert len(beats) >= 4, p.stderr  # 1.1 s of stage + 1.2 s of child at 0.5 s periods
+    assert any(ln.strip().startswith("child: still running") for ln in beats)
+    assert "child says hi" in logfile.read_text() and "child says hi" not in p.stderr
+    assert "✓ fake" in p.stderr

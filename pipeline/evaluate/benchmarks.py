@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import log
 from ..data import benchmarks as data
 from ..io.cache import StageCache, stage_key
 from ..model.devices import device_kind
@@ -83,16 +84,16 @@ def run_lm_eval(
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(
+            rc, output = log.run_child(
                 [sys.executable, "-m", "pipeline.evaluate.benchmarks", json.dumps(spec)],
-                env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s,
+                label=f"lm-eval {', '.join(tasks)[:60]}", env=env, cwd=tmp, timeout=timeout_s,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
             return {t: {"status": "skipped", "reason": f"timed out after {timeout_s:.0f} s"}
                     for t in tasks}, float(timeout_s or 0)  # fmt: skip
         out = Path(tmp) / "result.json"
-        if proc.returncode != 0 or not out.is_file():
-            reason = _failure(proc.returncode, proc.stderr or "")
+        if rc != 0 or not out.is_file():
+            reason = _failure(rc, output)
             return {t: {"status": "skipped", "reason": reason} for t in tasks}, 0.0
         res: dict[str, dict] = json.loads(out.read_text())
     return res, round(time.perf_counter() - t0, 2)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import log
 from ..errors import UsageError
 
 VLLM_PIN = "vllm==0.26.0"
@@ -112,7 +113,6 @@ class VllmEngine:
     def logprobs_at(
         self, ids: torch.Tensor, want: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        import subprocess
         import sys
         import tempfile
 
@@ -127,11 +127,10 @@ class VllmEngine:
                       str(work / "in.safetensors"))  # fmt: skip
             python = os.environ.get("QSHIP_VLLM_PYTHON") or sys.executable
             child = Path(__file__).with_name("vllm_child.py")
-            r = subprocess.run([python, str(child), str(work)], capture_output=True, text=True)
-            if r.returncode != 0 or not (work / "out.safetensors").is_file():
+            rc, output = log.run_child([python, str(child), str(work)], label="vLLM served check")
+            if rc != 0 or not (work / "out.safetensors").is_file():
                 raise StageError(
-                    f"vLLM failed to serve the artifact (exit {r.returncode}): "
-                    + (r.stderr or r.stdout)[-1500:],
+                    f"vLLM failed to serve the artifact (exit {rc}): " + output[-1500:],
                     path=str(self.args["model"]),
                     hint="see vLLM's message above; the artifact's integrity was checked first",
                 )

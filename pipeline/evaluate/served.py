@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
+from .. import log
 from ..errors import IntegrityError
 from ..io.hashing import sha256_file
 from ..recipe import ServeGate
@@ -177,10 +178,11 @@ def run_check(
 
     measured, meta = load_measured(measured_path)
     t0 = time.perf_counter()
-    eng = engines.make(gate.engine, Path(model_dir), kv_cache_dtype=gate.kv_cache_dtype,
-                       device=device, attention=meta.get("attention", "kv-only"),
-                       max_len=int(measured["ids"].shape[1]), **engine_opts)  # fmt: skip
-    load_s = time.perf_counter() - t0
-    return check(eng, measured, kv_cache_dtype=gate.kv_cache_dtype, max_kl=gate.max_kl,
-                 min_top1=gate.min_top1, max_kl_increase=gate.max_kl_increase,
-                 load_s=load_s)  # fmt: skip
+    with log.heartbeat(f"served check ({gate.engine})"):
+        eng = engines.make(gate.engine, Path(model_dir), kv_cache_dtype=gate.kv_cache_dtype,
+                           device=device, attention=meta.get("attention", "kv-only"),
+                           max_len=int(measured["ids"].shape[1]), **engine_opts)  # fmt: skip
+        load_s = time.perf_counter() - t0
+        return check(eng, measured, kv_cache_dtype=gate.kv_cache_dtype, max_kl=gate.max_kl,
+                     min_top1=gate.min_top1, max_kl_increase=gate.max_kl_increase,
+                     load_s=load_s)  # fmt: skip

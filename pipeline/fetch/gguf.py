@@ -53,10 +53,10 @@ def fetch_gguf(
         require_pin=require_pin,
     )  # fmt: skip
     name = path.name
-    if found is not None and Path(found).name != gguf_manifest.name:
+    pinned = Manifest.load(Path(found)) if found is not None else None
+    if pinned is not None and Path(str(found)).name != gguf_manifest.name:
         # pinned by content (a local copy of a pinned GGUF): it takes the pin's identity, and
         # the file name its pin records, so that the dequantized bytes match their pin too
-        pinned = Manifest.load(Path(found))
         repo_id, revision = pinned.repo_id or repo_id, pinned.revision or revision
         name = next(iter(pinned.files))
     dq_revision = f"{revision}+dequant-{DTYPE}"
@@ -81,6 +81,8 @@ def fetch_gguf(
                 "file": path.name,
                 **digest[path.name].to_json(),
                 "manifest": found,
+                **({"base_model": pinned.base_model} if pinned and pinned.base_model else {}),
+                **({"about": pinned.about} if pinned and pinned.about else {}),
             },
         }
         return finish(out, files, source=src.text, repo_id=repo_id, revision=dq_revision,

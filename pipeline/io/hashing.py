@@ -194,6 +194,10 @@ class Manifest:
     repo_id: str | None
     revision: str | None
     files: dict[str, FileDigest] = field(default_factory=dict)
+    # what a pinned file is, for the model card: the Hub id of the model it was made from
+    # and one line about it (a GGUF's quantization)
+    base_model: str | None = None
+    about: str | None = None
 
     @staticmethod
     def filename(repo_id: str, revision: str) -> str:
@@ -205,6 +209,8 @@ class Manifest:
             "repo_id": self.repo_id,
             "revision": self.revision,
             "files": {k: v.to_json() for k, v in sorted(self.files.items())},
+            **({"base_model": self.base_model} if self.base_model else {}),
+            **({"about": self.about} if self.about else {}),
         }
 
     def dumps(self) -> str:
@@ -229,7 +235,8 @@ class Manifest:
         for rel, d in files.items():
             if not _HEX64.match(d.sha256) or d.size < 0:
                 raise IntegrityError(f"bad entry for {rel!r}", path=str(path))
-        return cls(data.get("source", ""), data.get("repo_id"), data.get("revision"), files)
+        return cls(data.get("source", ""), data.get("repo_id"), data.get("revision"), files,
+                   base_model=data.get("base_model"), about=data.get("about"))  # fmt: skip
 
 
 def compare_digests(
