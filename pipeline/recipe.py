@@ -42,6 +42,8 @@ from .errors import RecipeError
 Method = Literal["awq", "gptq", "autoround", "rtn", "none"]
 # the methods whose rounding depends on calibration data (rtn and none do not)
 CALIBRATED_METHODS = ("awq", "gptq", "autoround")
+# methods a CPU runner cannot afford (AutoRound: ~25x GPTQ's calibration time, bench/RESULTS.md)
+GPU_METHODS = ("autoround",)
 DType = Literal["bfloat16", "float16", "float32"]
 
 _GPTQ_OPTIONS = {"dampening_frac", "actorder", "block_size", "awq_scales"}
@@ -308,6 +310,9 @@ class Recipe(_Strict):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.resolved(), sort_keys=False)
+
+    def needs_gpu(self) -> bool:
+        return any(g.method in GPU_METHODS for g in self.groups)
 
     def needs_calibration(self) -> bool:
         return self.kv_cache is not None or any(g.method in CALIBRATED_METHODS for g in self.groups)

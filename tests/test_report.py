@@ -130,15 +130,63 @@ def test_selection_rules():
     assert best_by_width(rows) == {"4": "a", "8": "c"} and best_recipe(rows) == "c"
 
 
-def test_recommendation_names_winners_and_points_to_tune():
-    """Shipped winners compared are named; `qship tune` is suggested unless a recipe it
-    wrote (`<base>-tune<bits>`) is among the rows."""
-    text = recommendation({"recipes": ["gptq-w4", "autoround-w4a"], "best": "autoround-w4a"})
-    assert text.startswith("Ship **autoround-w4a**.") and "autoround-w4a for the least KL" in text
-    assert "qship tune --recipe" in text
-    tuned = {"recipes": ["gptq-w4", "gptq-w4a-mse-tune4.248"], "best": "gptq-w4a-mse-tune4.248"}
+def _report(rows: list[dict]) -> dict:
+    from pipeline.compare.report import summarise_rows
+
+    return summarise_rows([{"kl_stderr": 0.001, **r} for r in rows])
+
+
+def test_recommendation_per_goal_never_names_a_refused_recipe():
+    """Per goal: the smallest recipe that passes its gate, the lowest KL within each bit
+    budget; a recipe today's rules refuse (a split fused set) is named only as one not to
+    ship, even with the best figures; shipped winners are named; `qship tune` is suggested
+    unless a recipe it wrote (`<base>-tune<bits>`) is among the rows."""
+    rows = [
+        {"name": "rtn-w4", "bits_per_weight": 4.125, "kl_mean": 0.5, "passed": True},
+        {"name": "autoround-w4a", "bits_per_weight": 4.156, "kl_mean": 0.15, "passed": True},
+        {"name": "old-tuned", "bits_per_weight": 4.2, "kl_mean": 0.12, "passed": True,
+         "refused": "its plan splits 3 fused set(s) vLLM loads as one layer"},
+        {"name": "w8-int8", "bits_per_weight": 8.02, "kl_mean": 0.003, "passed": True},
+        {"name": "awq-w4", "bits_per_weight": 4.0, "kl_mean": 0.4, "passed": False},
+    ]  # fmt: skip
+    rep = _report(rows)
+    assert rep["goals"] == {"smallest_passing": "rtn-w4",
+                            "lowest_kl_at_4.25_bits": "autoround-w4a",
+                            "lowest_kl_at_8.25_bits": "w8-int8"}  # fmt: skip
+    assert rep["best"] == "w8-int8"
+    text = recommendation(rep)
+    assert "Smallest that passes its gate: **rtn-w4**" in text
+    assert "Lowest KL at ≤ 4.25 bits: **autoround-w4a** (4.156 bits/weight" in text
+    assert "Lowest KL at ≤ 8.25 bits: **w8-int8**" in text
+    assert "**old-tuned**" not in text and "Not to ship, whatever their figures: old-tuned" in text
+    assert "autoround-w4a for the least KL" in text and "qship tune --recipe" in text
+    tuned = _report([{**rows[0], "name": "gptq-w4a-mse-tune4.248"}])
     assert "qship tune" not in recommendation(tuned)
-    assert recommendation({"recipes": ["gptq-w4"], "best": None}).startswith("No recipe passed")
+    none = _report([{**r, "passed": False} for r in rows])
+    assert recommendation(none).startswith("No recipe passed")
+
+
+def test_a_collected_row_whose_plan_splits_a_fused_set_is_refused(evals, tmp_path):
+    from transformers import AutoConfig
+
+    from pipeline.compare.rows import refused_by_plan
+    from pipeline.quantize import plan_for_config
+    from pipeline.recipe import load_recipe
+    from pipeline.records.plan import ModulePlan, Plan
+
+    root = Path(__file__).resolve().parent.parent
+    config = AutoConfig.from_pretrained(root / "tests" / "fixtures" / "models" / "tiny-llama")
+    good = plan_for_config(config, load_recipe(root / "recipes" / "gptq-w4.yaml"))
+    (tmp_path / "plan.json").write_text(json.dumps(good.to_json()))
+    assert refused_by_plan(tmp_path / "plan.json") is None
+    mods: list[ModulePlan] = list(good.modules)
+    i = next(i for i, m in enumerate(mods) if m.name.endswith("self_attn.k_proj"))
+    assert mods[i].scheme is not None
+    mods[i] = mods[i].model_copy(update={"scheme": mods[i].scheme.model_copy(
+        update={"group_size": 64})})  # fmt: skip
+    split = Plan.model_validate({**good.model_dump(), "modules": mods})
+    (tmp_path / "plan.json").write_text(json.dumps(split.to_json()))
+    assert "splits 1 fused set" in (refused_by_plan(tmp_path / "plan.json") or "")
 
 
 def test_duplicate_names_refused(evals):
@@ -239,9 +287,14 @@ def test_matrix_cli(capsys, repo_root, monkeypatch):
             {"recipe": "recipes/gptq-w4.yaml", "name": "gptq-w4"},
         ]
     }
-    assert main(["compare", "--matrix"]) == 0  # default: every recipes/*.yaml
+    # default: every recipes/*.yaml a CPU runner can afford; with a GPU declared, all of them
+    assert main(["compare", "--matrix", "--device", "cuda"]) == 0
     names = [j["name"] for j in json.loads(capsys.readouterr().out)["include"]]
     assert len(names) == len(list((repo_root / "recipes").glob("*.yaml"))) == len(set(names))
+    assert main(["compare", "--matrix"]) == 0
+    on_cpu = [j["name"] for j in json.loads(capsys.readouterr().out)["include"]]
+    assert "autoround-w4a" in names and "autoround-w4a" not in on_cpu
+    assert set(on_cpu) == set(names) - {"autoround-w4a"}
 
 
 def test_matrix_refuses_duplicate_names(tmp_path, repo_root):

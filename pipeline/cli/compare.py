@@ -40,7 +40,7 @@ def compare_cmd(
     from ..compare import compare as cmp
 
     if matrix:
-        return OneLineJson(cmp.matrix((recipes or []) + (items or [])))
+        return OneLineJson(cmp.matrix((recipes or []) + (items or []), device=device))
     if collect:
         res = cmp.collect(collect + (items or []), out)
     else:

@@ -41,16 +41,21 @@ def recipe_paths(recipes: list[Path] | None, recipes_dir: Path = Path("recipes")
     return found
 
 
-def matrix(recipes: list[Path] | None) -> dict:
+def matrix(recipes: list[Path] | None, *, device: str | None = None) -> dict:
     """{"include": [{"recipe": path, "name": recipe name}, ...]} for `fromJSON` in a
     workflow. Every recipe is loaded (an invalid one fails here, exit 2, before any job
-    starts) and names must be unique, as they name the jobs' artifacts."""
+    starts) and names must be unique, as they name the jobs' artifacts. Without recipes:
+    every shipped recipe the runner's device can afford (AutoRound only with --device
+    cuda)."""
     from ..recipe import load_recipe
 
     include = []
     seen: dict[str, str] = {}
+    gpu = (device or "cpu").startswith("cuda")
     for p in recipe_paths(recipes):
         r = load_recipe(p)
+        if not recipes and r.needs_gpu() and not gpu:
+            continue
         if r.name in seen:
             raise UsageError(
                 f"recipes {seen[r.name]} and {p} are both named {r.name!r}",

@@ -27,6 +27,9 @@ Row schema (one per recipe; every figure may be None when the stage did not repo
     kl_hist          {"edges": [...], "counts": [...], "zero": n} per-token KL histogram on
                      the fixed log bins KL_HIST_EDGES (None when no per-token values exist)
     source           where the row came from (eval.json path), informative only
+    refused          why today's rules refuse this recipe (e.g. its plan splits a fused
+                     set vLLM loads as one layer), or None: a refused row is shown, never
+                     recommended
 
 "Best" recipe (the one CI publishes): lowest mean KL among the recipes whose gate passed;
 a tie goes to fewer bits per weight, then to the name.
@@ -101,9 +104,15 @@ def pareto_front(rows: list[dict], x: str = "bits_per_weight", y: str = "kl_mean
     return [n for _, _, n in sorted(front)]
 
 
+def _eligible(rows: list[dict]) -> list[dict]:
+    """Rows that may be recommended: the gate passed and no current rule refuses them."""
+    return [r for r in rows if r.get("passed") is True and r.get("kl_mean") is not None
+            and not r.get("refused")]  # fmt: skip
+
+
 def best_recipe(rows: list[dict]) -> str | None:
     """Lowest mean KL among passing recipes; tie -> fewer bits per weight, then name."""
-    ok = [r for r in rows if r.get("passed") is True and r.get("kl_mean") is not None]
+    ok = _eligible(rows)
     if not ok:
         return None
     inf = float("inf")
@@ -129,6 +138,32 @@ def best_by_width(rows: list[dict]) -> dict[str, str]:
     return {w: n for w, n in out.items() if n}
 
 
+def budget(bits: float) -> float:
+    """The bit budget a row falls in: its width + 0.25 (4.125 and 4.248 -> 4.25)."""
+    return int(bits) + 0.25
+
+
+def goals(rows: list[dict]) -> dict[str, str]:
+    """{goal: recipe name}: the smallest recipe that passes its gate, and the lowest mean KL
+    within each bit budget the rows span (`lowest_kl_at_4.25_bits`), refused rows left out."""
+    ok = [r for r in _eligible(rows) if r.get("bits_per_weight") is not None]
+    if not ok:
+        return {}
+    out = {"smallest_passing": min(ok, key=lambda r: (r["bits_per_weight"], r["kl_mean"],
+                                                      r["name"]))["name"]}  # fmt: skip
+    for b in sorted({budget(r["bits_per_weight"]) for r in ok}):
+        within = [r for r in ok if r["bits_per_weight"] <= b]
+        best = min(within, key=lambda r: (r["kl_mean"], r["bits_per_weight"], r["name"]))
+        out[f"lowest_kl_at_{b:g}_bits"] = best["name"]
+    return out
+
+
+def _said(r: dict) -> str:
+    se = r.get("kl_stderr")
+    kl = f"{r['kl_mean']:.3g}" + (f" ± {se:.1g}" if se else "")
+    return f"**{r['name']}** ({r['bits_per_weight']:.3f} bits/weight, mean KL {kl})"
+
+
 # The shipped recipes that won on the quality frontier (bench/RESULTS.md) and when to pick
 # each; the report names those it compared, and `qship tune` when no tuned recipe was there
 WINNERS = {
@@ -140,10 +175,23 @@ TUNED = re.compile(r"-tune\d")  # the names `qship tune` gives its recipes: <bas
 
 
 def recommendation(report: dict) -> str:
-    """One paragraph: the best passing recipe and the shipped winners among the rows."""
-    names = set(report["recipes"])
+    """Plain words per goal (the smallest recipe that passes; the lowest KL within each bit
+    budget), the shipped winners among the rows, and the rows no one should ship."""
+    by_name = {r["name"]: r for r in report["rows"]}
+    names = {n for n, r in by_name.items() if not r.get("refused")}
     picks = [f"{n} for {why}" for n, why in WINNERS.items() if n in names]
-    text = f"Ship **{report['best']}**." if report["best"] else "No recipe passed its gate."
+    g = report.get("goals") or {}
+    if not g:
+        text = "No recipe passed its gate."
+    else:
+        said = [f"Smallest that passes its gate: {_said(by_name[g['smallest_passing']])}."]
+        said += [f"Lowest KL at ≤ {k.split('_at_')[1].removesuffix('_bits')} bits: "
+                 f"{_said(by_name[n])}." for k, n in g.items() if k.startswith("lowest_kl_at_")]  # fmt: skip
+        text = " ".join(said)
+    refused = sorted(n for n, r in by_name.items() if r.get("refused"))
+    if refused:
+        text += (" Not to ship, whatever their figures: " + "; ".join(
+            f"{n} ({by_name[n]['refused']})" for n in refused) + ".")  # fmt: skip
     if picks:
         text += " Shipped winners here: " + "; ".join(picks) + "."
     if not any(TUNED.search(n) for n in names):
@@ -207,6 +255,7 @@ def summarise_rows(rows: list[dict]) -> dict:
         "best": best_recipe(rows),
         "best_by_width": best_by_width(rows),
         "best_rule": "lowest kl_mean among passing recipes; tie -> fewer bits_per_weight",
+        "goals": goals(rows),
         "winners_compared": [n for n in WINNERS if n in names],
         "pareto_bits_vs_kl": pareto_front(rows),
         "best_per_column": best_per_column(rows),

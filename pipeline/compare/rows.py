@@ -43,6 +43,7 @@ def row(ev: EvalFile, *, name: str | None = None, recipe: str | None = None) -> 
         "task_ci": {t: list(r.ci95_pp) for t, r in ok_tasks.items() if r.ci95_pp},
         "kl_hist": m.kl_hist.to_json(),
         "source": None,
+        "refused": None,
     }
     return out
 
@@ -64,4 +65,19 @@ def row_from_file(path: Path) -> dict[str, Any]:
     path = Path(path)
     ev = read_eval_file(path)
     folder = path.parent.name.removesuffix(".report")
-    return row(ev, name=None if ev.quantize else folder)
+    out = row(ev, name=None if ev.quantize else folder)
+    out["refused"] = refused_by_plan(path.parent / "plan.json")
+    return out
+
+
+def refused_by_plan(plan_file: Path) -> str | None:
+    """Why today's rules refuse the recipe whose plan.json this is (a fused set stored two
+    ways: vLLM cannot load it), or None (also when there is no plan.json to judge)."""
+    from ..model.roles import split_fused
+    from ..records.plan import Plan
+
+    if not plan_file.is_file():
+        return None
+    plan = Plan.from_json(json.loads(plan_file.read_text(encoding="utf-8")), where=str(plan_file))
+    split = split_fused({m.name: m.scheme for m in plan.modules})
+    return f"its plan splits {len(split)} fused set(s) vLLM loads as one layer" if split else None
