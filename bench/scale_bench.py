@@ -79,7 +79,7 @@ def kl(a: argparse.Namespace) -> None:
     from pipeline.data.tokens import build_token_sets
     from pipeline.evaluate import evaluate
     from pipeline.recipe import load_recipe
-    from pipeline.records.evaluation import ModelRef
+    from pipeline.records.evaluation import EvalOptions, ModelRef
 
     r = load_recipe(Path(a.recipe))
     work = Path(a.work)
@@ -92,7 +92,7 @@ def kl(a: argparse.Namespace) -> None:
         rep = evaluate(ModelRef(path=Path(a.model), model_hash="reference"),
                        ModelRef(path=Path(row["checkpoint"]), model_hash=row["variant"]),
                        heldout_ids=tokens.heldout_ids, cache_dir=work / "cache",
-                       batch_size=r.evaluation.batch_size, device=a.device)  # fmt: skip
+                       options=EvalOptions(batch_size=r.evaluation.batch_size, device=a.device))  # fmt: skip
         m = rep.metrics
         row.update(kl_mean=m.kl.mean, kl_se=m.kl.stderr, top1=m.top1_agreement, kl_mode=m.kl_mode,
                    eval_s=round(time.perf_counter() - t0, 1))  # fmt: skip

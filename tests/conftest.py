@@ -118,13 +118,14 @@ def tiny_evaluation(tmp_path_factory, tiny_quantized):
     """evaluate() of the tiny quantized checkpoint against tiny-llama (cached mode)."""
     from pipeline.evaluate import evaluate
     from pipeline.records import ModelRef
+    from pipeline.records.evaluation import EvalOptions
 
     snap, tokens, qc = tiny_quantized
     return evaluate(
         ModelRef(path=snap.path, model_hash=snap.model_hash),
         ModelRef(path=qc.path, model_hash=qc.model_hash),
         heldout_ids=tokens.heldout_ids, cache_dir=tmp_path_factory.mktemp("eval-cache"),
-        device="cpu", corpus_source=tokens.info.source,
+        options=EvalOptions(device="cpu"), corpus=tokens.info,
     )  # fmt: skip
 
 

@@ -113,9 +113,11 @@ def llama_2bit(tmp_path_factory, tiny_llama) -> Path:
 
 
 def _run(ref, cand, heldout, cache, **kw):
-    return ev.evaluate(
-        model_ref(ref), model_ref(cand), heldout_ids=heldout, cache_dir=cache, device="cpu", **kw
-    )
+    from pipeline.records.evaluation import EvalOptions
+
+    data = {k: kw.pop(k) for k in ("data_dir", "overlap", "corpus", "measured_path") if k in kw}
+    return ev.evaluate(model_ref(ref), model_ref(cand), heldout_ids=heldout, cache_dir=cache,
+                       options=EvalOptions(device="cpu", **kw), **data)  # fmt: skip
 
 
 def test_self_comparison(tiny_llama, heldout, tmp_path):

@@ -50,6 +50,12 @@ def run(tmp_path_factory, tiny_llama):
 
 
 def test_autoround_and_awq_scales_beat_rtn(run):
+    """What each method reliably delivers over RTN at the same scheme, on 2 threads.
+    Measured (KL ratio to RTN, tiny Llama, 16 x 128 calibration tokens): AutoRound 50
+    steps 0.86 / 0.81 / 0.88 for calibration seeds 0 / 1 / 2 on the 2-core dev box (200 steps:
+    0.86, no better) and 0.91 for seed 0 on another x86 box -- the floating-point path moves
+    it by 5 points, so 10 % was not a margin it always has; AWQ's scales under GPTQ 0.69-0.70
+    on every seed. The bounds sit below the worst seen by ~4 and ~20 points."""
     q_rtn, kl_rtn = run(_variant("rtn-a", "rtn"))
     q_ar, kl_ar = run(_variant("autoround-a", "autoround", {"iters": 50}))
     q_awq, kl_awq = run(_variant("gptq-awq-a", "gptq", {"awq_scales": True}))
@@ -63,7 +69,7 @@ def test_autoround_and_awq_scales_beat_rtn(run):
     assert any(mp.applied for mp in q_awq.plan.mappings)
     assert not q_rtn.plan.mappings
     print(f"\nKL rtn {kl_rtn:.5f}  autoround {kl_ar:.5f}  awq+gptq {kl_awq:.5f}")
-    assert kl_ar < 0.9 * kl_rtn and kl_awq < 0.9 * kl_rtn
+    assert kl_ar < 0.95 * kl_rtn and kl_awq < 0.85 * kl_rtn
 
 
 def test_autoround_tunes_each_module_at_its_own_scheme(tiny_llama, tmp_path):

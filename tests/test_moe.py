@@ -20,6 +20,7 @@ from pipeline.evaluate import evaluate, model_ref
 from pipeline.model.checkpoint import inspect_checkpoint
 from pipeline.quantize import quantize
 from pipeline.recipe import parse_recipe
+from pipeline.records.evaluation import EvalOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 N, L = 8, 64  # calibration windows x tokens
@@ -69,7 +70,7 @@ def test_every_expert_is_quantized_and_calibrated_on_every_token(quantized):
 def test_quantized_moe_reloads_and_stays_close(tiny_moe, quantized, tokens, tmp_path):
     """transformers re-fuses the per-expert tensors on load; KL to the reference is small."""
     rep = evaluate(model_ref(tiny_moe), model_ref(quantized.path), heldout_ids=tokens.heldout_ids,
-                   cache_dir=tmp_path, device="cpu", exact=True)  # fmt: skip
+                   cache_dir=tmp_path, options=EvalOptions(device="cpu", exact=True))  # fmt: skip
     assert 0 < rep.metrics.kl.mean < 0.5 and rep.metrics.top1_agreement > 0.7
     print(
         f"\ntiny MoE gptq-w4: KL {rep.metrics.kl.mean:.4f}, top-1 {rep.metrics.top1_agreement:.3f}"

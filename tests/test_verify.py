@@ -407,6 +407,7 @@ def mixed_artifact(tmp_path_factory, tiny_llama, package_inputs):
     from pipeline.quantize import quantize
     from pipeline.recipe import parse_recipe
     from pipeline.records import ModelRef
+    from pipeline.records.evaluation import EvalOptions
 
     d = tmp_path_factory.mktemp("mixed")
     data = yaml.safe_load((ROOT / "recipes" / "rtn-w4.yaml").read_text())
@@ -427,7 +428,8 @@ def mixed_artifact(tmp_path_factory, tiny_llama, package_inputs):
         qc = quantize(snap.path, recipe, d / "model", tokens=tokens, device="cpu")
         report = evaluate(ModelRef(path=snap.path, model_hash=snap.model_hash),
                           ModelRef(path=qc.path, model_hash=qc.model_hash),
-                          heldout_ids=tokens.heldout_ids, cache_dir=d / "cache", device="cpu")  # fmt: skip
+                          heldout_ids=tokens.heldout_ids, cache_dir=d / "cache",
+                          options=EvalOptions(device="cpu"))  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     return package(checkpoint=qc, recipe=recipe, evaluation=report,

@@ -110,11 +110,15 @@ def default_log(cache_dir: Path | None = None) -> Path:
 
 
 def check_dtype(dtype: str | None) -> None:
-    if dtype not in (None, "bfloat16", "float16", "float32"):
+    from typing import get_args
+
+    from ..recipe import DType  # the compute dtypes, the recipe's `dtype:` list
+
+    if dtype is not None and dtype not in get_args(DType):
         raise UsageError(
             f"--dtype {dtype!r} is not a compute dtype",
             path="--dtype",
-            hint="use bfloat16, float16 or float32",
+            hint="use " + ", ".join(get_args(DType)),
         )
 
 

@@ -60,6 +60,7 @@ def evaluate_cmd(
     from ..io.pins import checksums_dir as pin_folder
     from ..recipe import load_recipe
     from ..records.checkpoint import QuantizedCheckpoint
+    from ..records.evaluation import EvalOptions
 
     check_dtype(dtype)
     check_offload(offload, auto=False)
@@ -74,14 +75,11 @@ def evaluate_cmd(
         data, ov = prepare(ev, tok, ts, cache_dir=root, checksums_dir=pin_folder(checksums),
                            where=str(recipe))  # fmt: skip
     with log.stage("evaluate") as line:
-        report = evaluate(
-            model_ref(reference), model_ref(candidate), heldout_ids=ts.heldout_ids,
-            cache_dir=root, tasks=ev.tasks, hub_tasks=ev.hub_tasks, limit=ev.limit,
-            data_dir=data, task_batch_size=ev.task_batch_size, overlap=ov,
-            batch_size=ev.batch_size, exact=exact, topk=topk or DEFAULT_TOPK, device=device,
-            dtype=dtype, corpus_source=ts.info.source, corpus_hash=ts.info.corpus_hash,
-            offload=offload,
-        )  # fmt: skip
+        opts = EvalOptions.of(ev, exact=exact, topk=topk or DEFAULT_TOPK, device=device,
+                              dtype=dtype, offload=offload)  # fmt: skip
+        report = evaluate(model_ref(reference), model_ref(candidate), heldout_ids=ts.heldout_ids,
+                          cache_dir=root, options=opts, data_dir=data, overlap=ov,
+                          corpus=ts.info)  # fmt: skip
         line.note = report.summary()
     verdict = gate.check(report, r.gates)
     qc = QuantizedCheckpoint.read(candidate)  # present when `qship quantize` wrote it

@@ -214,9 +214,7 @@ def compare(
     files: list[Path] = []
     for path, r in zip(recipes, loaded, strict=True):
         ts = tokens[r.name]
-        qc, qkey = runner.quantize_stage(snap, r, ts, ctx)
-        report = runner.evaluate_stage(snap, qc, qkey, r, ts, evdata[r.name], ctx)
-        verdict = runner.gate_stage(report, r, ctx)
+        qc, _key, report, verdict = runner.measure(snap, r, ts, evdata[r.name], ctx)
         rdir = out / "recipes" / r.name
         ev = EvalFile.of(report, verdict=verdict, quantize=qc.brief(Path(path).as_posix()))
         write_outputs(ev, rdir)

@@ -33,6 +33,7 @@ from ..records.evaluation import (
     Benchmarks,
     CandidateRef,
     CorpusRef,
+    EvalOptions,
     EvalReport,
     EvalSettings,
     KVShare,
@@ -40,6 +41,7 @@ from ..records.evaluation import (
     ModelRef,
     Overlap,
 )
+from ..records.tokens import TokenSetInfo
 from . import kl_stats, reference_cache
 from .numerics import served_attention
 from .scoring import (
@@ -64,40 +66,32 @@ def evaluate(
     *,
     heldout_ids: torch.Tensor,
     cache_dir: Path,
-    tasks: list[str] | tuple[str, ...] = (),
-    hub_tasks: list[str] | tuple[str, ...] = (),
-    limit: int | None = None,
+    options: EvalOptions | None = None,
     data_dir: Path | None = None,
-    task_batch_size: int = 4,
     overlap: Overlap | None = None,
-    batch_size: int = 4,
-    exact: bool = False,
-    device: str | None = None,
-    dtype: str | None = None,
-    topk: int = reference_cache.DEFAULT_TOPK,
-    kv_off: bool = True,
-    corpus_source: str | None = None,
-    corpus_hash: str | None = None,
-    attention: str = "vllm",
+    corpus: TokenSetInfo | None = None,
     measured_path: Path | None = None,
-    measured_topk: int = 32,
-    offload: str = "none",
 ) -> EvalReport:
-    """Compare candidate with reference on `heldout_ids` [sequences, seq_len].
-    `attention`: the serving engine's attention numerics to simulate with an FP8 KV cache
-    (numerics.py); `measured_path`: where to store the measured top-k log-probs for the
-    served check (served.py; cached mode only). `offload` cpu / disk: models that do not fit
-    the GPU are evaluated with their weights in host memory, onloaded module by module
-    (model/loading.py; disk is host memory here too: a packed checkpoint does not survive
-    accelerate's disk offload); lm-eval places them with its own `parallelize`."""
-    device = device or default_device()
+    """Compare candidate with reference on `heldout_ids` [sequences, seq_len], as `options`
+    say. `options.attention`: the serving engine's attention numerics to simulate with an FP8
+    KV cache (numerics.py); `measured_path`: where to store the measured top-k log-probs for
+    the served check (served.py; cached mode only). `options.offload` cpu / disk: models that
+    do not fit the GPU are evaluated with their weights in host memory, onloaded module by
+    module (model/loading.py; disk is host memory here too: a packed checkpoint does not
+    survive accelerate's disk offload); lm-eval places them with its own `parallelize`.
+    `data_dir`: the pinned benchmark data; `overlap`: its overlap with calibration;
+    `corpus`: where the held-out tokens came from (recorded)."""
+    o = options or EvalOptions()
+    device = o.device or default_device()
+    tasks, hub_tasks, dtype, exact, topk = o.tasks, o.hub_tasks, o.dtype, o.exact, o.topk
+    batch_size, attention, offload = o.batch_size, o.attention, o.offload
     if heldout_ids.ndim != 2 or heldout_ids.shape[1] < 2:
         raise UsageError(
             f"held-out ids must be [sequences, seq_len>=2], got {tuple(heldout_ids.shape)}"
         )
     ids = heldout_ids.long().cpu()
     scheme = kv_scheme(candidate.path)
-    do_kv_off = kv_off and scheme is not None
+    do_kv_off = o.kv_off and scheme is not None
     timings: dict[str, float] = {}
 
     def load(p: Path) -> Any:
@@ -135,7 +129,8 @@ def evaluate(
         n_hooked = len(hooked)
         t0 = time.perf_counter()
         passes = {"on": True, "off": False} if do_kv_off else {"on": True}
-        capture = Capture(min(measured_topk, topk)) if measured_path and measured_topk else None
+        capture = (Capture(min(o.measured_topk, topk)) if measured_path and o.measured_topk
+                   else None)  # fmt: skip
         with served_attention(cand_model, attention, hooked):
             scored = score_against_reference(cand_model, ids, ref, batch_size, passes,
                                              "candidate", capture=capture)  # fmt: skip
@@ -164,8 +159,8 @@ def evaluate(
         t0 = time.perf_counter()
         benchmarks = bm.compare(
             reference, candidate.path, tasks=list(tasks), hub_tasks=list(hub_tasks),
-            data_dir=data_dir, limit=limit, cache_dir=cache_dir, device=device, dtype=dtype,
-            batch_size=task_batch_size, offload=offload,
+            data_dir=data_dir, limit=o.limit, cache_dir=cache_dir, device=device, dtype=dtype,
+            batch_size=o.task_batch_size, offload=offload,
         )  # fmt: skip
         timings["benchmarks_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_all
@@ -178,8 +173,8 @@ def evaluate(
             kv_hooked_attention_modules=n_hooked,
         ),
         corpus=CorpusRef(
-            source=corpus_source,
-            corpus_hash=corpus_hash,
+            source=corpus.source if corpus else None,
+            corpus_hash=corpus.corpus_hash if corpus else None,
             heldout_hash=tensor_hash(ids),
             sequences=int(ids.shape[0]),
             seq_len=int(ids.shape[1]),

@@ -142,9 +142,14 @@ def capture_metrics(
         return out
 
     with (
-        patched(CompressionLogger, "set_results", set_results),
-        patched(AWQModifier, "_log_error_metrics", log_error_metrics),
-        patched(LifecycleCallbacks, "sequential_epoch_end", classmethod(epoch_end)),
+        patched(CompressionLogger, "set_results", set_results, params=("self", "name", "loss")),
+        patched(AWQModifier, "_log_error_metrics", log_error_metrics, params=("self",)),
+        patched(
+            LifecycleCallbacks,
+            "sequential_epoch_end",
+            classmethod(epoch_end),
+            params=("modules", "kwargs"),
+        ),
         bar,
     ):
         try:

@@ -5,16 +5,59 @@ the library's own result."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ..errors import StageError
+
+
+def _owner(obj: Any) -> str:
+    return str(getattr(obj, "__module__", None) or getattr(obj, "__name__", "?"))
+
+
+def check_replaceable(obj: Any, attr: str, params: tuple[str, ...]) -> Any:
+    """The attribute a patch replaces, as the pinned library version has it: present and
+    taking exactly `params`. Anything else is a library qship's patches were not written
+    for: exit 1 naming it and its version, instead of a patch that silently does nothing or
+    breaks the library."""
+    from importlib import metadata
+
+    where = f"{getattr(obj, '__name__', type(obj).__name__)}.{attr}"
+    dist = _owner(obj).split(".")[0].replace("_", "-")
+    try:
+        version = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        version = "?"
+    if not hasattr(obj, attr):
+        raise StageError(
+            f"{dist} {version} has no {where}, which qship replaces while it quantizes",
+            path=f"{_owner(obj)}.{attr}",
+            hint="install the versions in constraints.txt (llmcompressor 0.14.0.1, "
+            "compressed-tensors 0.19.0); qship's patches are written for those",
+        )
+    current = obj.__dict__[attr] if attr in getattr(obj, "__dict__", {}) else getattr(obj, attr)
+    if callable(getattr(obj, attr)):
+        got = tuple(inspect.signature(getattr(obj, attr)).parameters)
+        if got != params:
+            raise StageError(
+                f"{dist} {version}: {where} takes ({', '.join(got)}), qship's patch of it "
+                f"expects ({', '.join(params)})",
+                path=f"{_owner(obj)}.{attr}",
+                hint="install the versions in constraints.txt (llmcompressor 0.14.0.1, "
+                "compressed-tensors 0.19.0); qship's patches are written for those",
+            )
+    return current
+
 
 @contextlib.contextmanager
-def patched(obj: Any, attr: str, value: Any) -> Iterator[None]:
-    old = obj.__dict__[attr] if attr in obj.__dict__ else getattr(obj, attr)
+def patched(obj: Any, attr: str, value: Any, *, params: tuple[str, ...]) -> Iterator[None]:
+    """`obj.attr = value` inside the block, restored after; `params`: the parameters the
+    replaced attribute takes in the pinned library (check_replaceable)."""
+    old = check_replaceable(obj, attr, params)
     setattr(obj, attr, value)
     try:
         yield
@@ -55,9 +98,11 @@ def without_accelerator() -> Iterator[bool]:
         return None if offloaded is None else offloaded.to(self.onload_device, copy=True)
 
     with (
-        patched(IntermediatesCache, "pin_memory", _no_pin),
-        patched(awq_base, "_allreduce_data_sum", _allreduce_in_place),
-        patched(DistributedCPUCache, "onload", _onload_copy),
+        patched(
+            IntermediatesCache, "pin_memory", _no_pin, params=("self", "batch_index", "input_names")
+        ),
+        patched(awq_base, "_allreduce_data_sum", _allreduce_in_place, params=("data",)),
+        patched(DistributedCPUCache, "onload", _onload_copy, params=("self", "offloaded")),
     ):
         yield True
 
@@ -84,7 +129,7 @@ def rank_local_device() -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         for mod in (dev, sequential, data_free):
-            stack.enter_context(patched(mod, "get_main_device", local))
+            stack.enter_context(patched(mod, "get_main_device", local, params=()))
         yield
 
 
@@ -122,8 +167,13 @@ def awq_lean_grid_search() -> Iterator[None]:
             in_grid[0] -= 1
 
     with (
-        patched(AWQModifier, "_run_samples", run_samples),
-        patched(AWQModifier, "_compute_best_scale", compute_best_scale),
+        patched(AWQModifier, "_run_samples", run_samples, params=("self", "module")),
+        patched(
+            AWQModifier,
+            "_compute_best_scale",
+            compute_best_scale,
+            params=("self", "mapping", "fp16_outputs", "orig_layer_weights"),
+        ),
     ):
         yield
 

@@ -142,5 +142,5 @@ def restoring(model: Any, store: LayerStore) -> Iterator[None]:
         with HooksMixin.disable_hooks():
             return forward(self, model, *args, **kwargs)
 
-    with patched(Subgraph, "forward", subgraph_forward):
+    with patched(Subgraph, "forward", subgraph_forward, params=("self", "args", "kwargs")):
         yield

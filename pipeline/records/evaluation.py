@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from ..recipe import EvaluationConfig
 from .base import SCHEMA_VERSION, Record
 from .checkpoint import QuantizeSummary
 from .served import MeasuredInfo, ServedCheck
@@ -164,6 +165,45 @@ class Overlap(Record):
     """evaluation.max_overlap: above it the run refuses (exit 2)."""
     sets: dict[str, OverlapSet] = {}
     """heldout (the KL tokens) and each benchmark task."""
+
+
+class EvalOptions(Record):
+    """How evaluate() runs: what it measures and on what (evaluate's input; EvalSettings is
+    what it reports having used). `of(recipe.evaluation, ...)` takes the recipe's part."""
+
+    tasks: tuple[str, ...] = ()
+    """lm-eval tasks run on their pinned local data."""
+    hub_tasks: tuple[str, ...] = ()
+    """lm-eval tasks whose data comes from the Hub (skipped offline)."""
+    limit: int | None = None
+    """Items per task (the first N), null = all."""
+    task_batch_size: int = 4
+    """lm-eval's batch size."""
+    batch_size: int = 4
+    """Held-out sequences per forward pass."""
+    exact: bool = False
+    """Full-vocabulary KL, both models in lockstep (else top-k + tail against the cache)."""
+    device: str | None = None
+    """cuda / cpu (null: the GPU when there is one)."""
+    dtype: str | None = None
+    """Compute dtype of both models (null: the checkpoint's on a GPU, float32 on the CPU)."""
+    topk: int = 4096
+    """Reference tokens stored per position (cached mode)."""
+    kv_off: bool = True
+    """Also measure the candidate with its FP8 KV rounding off (the KV cache's share)."""
+    attention: str = "vllm"
+    """The serving engine's attention numerics to simulate with an FP8 KV cache."""
+    measured_topk: int = 32
+    """Top-k log-probs of both models kept for the served check (0: none)."""
+    offload: str = "none"
+    """Where the weights live: none (the device), cpu or disk (host memory)."""
+
+    @classmethod
+    def of(cls, ev: EvaluationConfig, **overrides: Any) -> EvalOptions:
+        return cls(tasks=tuple(ev.tasks), hub_tasks=tuple(ev.hub_tasks), limit=ev.limit,
+                   task_batch_size=ev.task_batch_size, batch_size=ev.batch_size,
+                   attention=ev.attention, measured_topk=ev.measured_topk,
+                   **overrides)  # fmt: skip
 
 
 class ModelRef(Record):

@@ -27,14 +27,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import gate, log
+from ..data.tokens import TokenSets
 from ..errors import QshipError, UsageError
 from ..io.atomic import atomic_write_text
 from ..io.pins import checksums_dir as pin_folder
 from ..recipe import Recipe, load_recipe
 from ..records.artifact import Provenance
 from ..records.checkpoint import QuantizedCheckpoint
-from ..records.evaluation import EvalFile
+from ..records.evaluation import EvalFile, EvalReport
 from ..records.run import ErrorInfo, RunRecord
+from ..records.snapshot import Snapshot
+from ..records.verdict import Verdict
 from .stages import (
     MEASURED,
     QUANT_MODEL,
@@ -56,7 +59,8 @@ from .stages import (
 __all__ = [
     "MEASURED", "QUANT_MODEL", "RESUME", "REPORT_SUFFIX", "Context", "EvalData",
     "NotOnRankZero", "check_out", "check_recipe", "eval_data_stage", "evaluate_stage",
-    "fetch_stage", "gate_stage", "quantize_key", "quantize_stage", "report_dir_for", "run",
+    "fetch_stage", "gate_stage", "measure", "quantize_key", "quantize_stage", "report_dir_for",
+    "run",
     "serve_stage", "tokens_stage", "write_report_dir",
 ]  # fmt: skip
 
@@ -208,13 +212,11 @@ def _run(
     tokens = tokens_stage(snap, recipe, ctx)
     evdata = eval_data_stage(snap, recipe, tokens, ctx)
     try:
-        qc, qkey = quantize_stage(snap, recipe, tokens, ctx, layers=len(plan.decoder_layers))
+        qc, qkey, report, verdict = measure(snap, recipe, tokens, evdata, ctx,
+                                            layers=len(plan.decoder_layers))  # fmt: skip
     except NotOnRankZero:
         log.info("quantize done on this node; the node running rank 0 evaluates and packages")
         return _finish(rec, ctx, reports)
-    report = evaluate_stage(snap, qc, qkey, recipe, tokens, evdata, ctx)
-    report = serve_stage(qc, report, recipe, ctx)
-    verdict = gate_stage(report, recipe, ctx)
     write_report_dir(reports, EvalFile.of(report, verdict=verdict, quantize=qc.brief()), qc)
     rec = rec.model_copy(update={"passed": verdict.passed, "verdict": verdict})
     gate.require_pass(verdict, where=str(reports / "eval.json"))
@@ -230,6 +232,18 @@ def _run(
         line.note = f"{out} ({len(art.files)} files{', signed' if art.signed else ''})"
     rec = rec.model_copy(update={"artifact": out})
     return _publish(rec, out, publish_to, ctx, reports)
+
+
+def measure(
+    snap: Snapshot, recipe: Recipe, tokens: TokenSets, evdata: EvalData, ctx: Context,
+    *, layers: int = 0,
+) -> tuple[QuantizedCheckpoint, str, EvalReport, Verdict]:  # fmt: skip
+    """quantize → evaluate → (serve) → gate: one recipe measured on a fetched model, the
+    chain `qship run` and `qship compare` share."""
+    qc, qkey = quantize_stage(snap, recipe, tokens, ctx, layers=layers)
+    report = evaluate_stage(snap, qc, qkey, recipe, tokens, evdata, ctx)
+    report = serve_stage(qc, report, recipe, ctx)
+    return qc, qkey, report, gate_stage(report, recipe, ctx)
 
 
 def _reuse(

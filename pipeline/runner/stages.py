@@ -19,7 +19,7 @@ from ..io.pins import checksums_dir
 from ..model.devices import device_kind
 from ..recipe import Recipe
 from ..records.checkpoint import QuantizedCheckpoint
-from ..records.evaluation import EvalReport, ModelRef, Overlap
+from ..records.evaluation import EvalOptions, EvalReport, ModelRef, Overlap
 from ..records.plan import Plan
 from ..records.run import StageRow
 from ..records.snapshot import Snapshot
@@ -220,13 +220,11 @@ def evaluate_stage(
         rep = evaluate(
             ModelRef(path=snapshot.path, model_hash=snapshot.model_hash),
             ModelRef(path=qc.path, model_hash=qc.model_hash),
-            heldout_ids=tokens.heldout_ids, cache_dir=ctx.cache_dir, tasks=ev.tasks,
-            hub_tasks=ev.hub_tasks, limit=ev.limit, data_dir=evdata.data_dir,
-            task_batch_size=ev.task_batch_size, overlap=evdata.overlap,
-            batch_size=ev.batch_size, device=ctx.device, corpus_source=tokens.info.source,
-            corpus_hash=tokens.info.corpus_hash, attention=ev.attention,
-            measured_path=tmp / MEASURED, measured_topk=ev.measured_topk, offload=ctx.offload,
-            exact=ctx.exact_kl,
+            heldout_ids=tokens.heldout_ids, cache_dir=ctx.cache_dir,
+            options=EvalOptions.of(ev, device=ctx.device, offload=ctx.offload,
+                                   exact=ctx.exact_kl),
+            data_dir=evdata.data_dir, overlap=evdata.overlap, corpus=tokens.info,
+            measured_path=tmp / MEASURED,
         )  # fmt: skip
         if rep.measured is not None:  # relative in the entry; the entry moves when complete
             rep = rep.model_copy(
