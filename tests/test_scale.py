@@ -200,12 +200,37 @@ quantize(model, r, out, tokens=tokens, device="cpu", resume_dir=layers)
 """
 
 
-def test_resume_after_a_kill(setup, tiny_llama, tmp_path):
+def _corrupt(layers: Path, how: str) -> None:
+    """Damage a stored layer as a bad disk or a hostile hand would."""
+    from safetensors.torch import load_file, save_file
+
+    if how == "truncated":  # layer 0 cut short
+        f = layers / "0000.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif how == "altered":  # layer 1's tensor data changed, the file still well-formed
+        f = layers / "0001.safetensors"
+        sd = load_file(str(f))
+        k = next(k for k, v in sd.items() if v.is_floating_point())
+        sd[k] = sd[k] * 1.5
+        save_file(sd, str(f))
+    elif how == "reshaped":  # layer 1 replaced by a file holding a tensor of another shape
+        f = layers / "0001.safetensors"
+        sd = load_file(str(f))
+        k = next(k for k, v in sd.items() if v.ndim == 2)
+        sd[k] = sd[k].reshape(-1)
+        save_file(sd, str(f))
+
+
+@pytest.mark.parametrize(("corrupt", "resumed_layers"),
+                         [("none", 2), ("altered", 1), ("truncated", 0), ("reshaped", 1)])  # fmt: skip
+def test_resume_after_a_kill(setup, tiny_llama, tmp_path, corrupt, resumed_layers):
     """A run killed (SIGKILL) once decoder layer 1 is done keeps layers 0 and 1; the rerun
     loads them, runs them forward to rebuild layer 2's inputs, calibrates 2 and 3, and
     writes the checkpoint an uninterrupted run writes, bit for bit (one CPU process is
     deterministic); the record says 2 layers were resumed, with their measurements, and
-    the layers' folder is gone once the checkpoint is complete."""
+    the layers' folder is gone once the checkpoint is complete. A stored layer that fails
+    its sha256 (truncated, altered, another shape) is calibrated again with every layer
+    after it: the same checkpoint, fewer layers resumed."""
     import subprocess
     import sys
 
@@ -238,11 +263,12 @@ def test_resume_after_a_kill(setup, tiny_llama, tmp_path):
     assert not (tmp_path / "resumed").exists()
     assert sorted(p.name for p in (tmp_path / "layers").glob("*.json")) == [
         "0000.json", "0001.json", "manifest.json"]  # fmt: skip
+    _corrupt(tmp_path / "layers", corrupt)
     assert run("resumed", "layers") == 0
     whole = QuantizedCheckpoint.read(tmp_path / "whole")
     resumed = QuantizedCheckpoint.read(tmp_path / "resumed")
     assert whole is not None and resumed is not None
-    assert resumed.resumed_layers == 2 and whole.resumed_layers == 0
+    assert resumed.resumed_layers == resumed_layers and whole.resumed_layers == 0
     assert resumed.model_hash == whole.model_hash  # the same bytes in every file
     assert resumed.gptq == whole.gptq
     assert sorted(a.smooth or "" for a in resumed.awq) == sorted(a.smooth or "" for a in whole.awq)

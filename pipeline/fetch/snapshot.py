@@ -125,7 +125,8 @@ def finish(
 
 def from_cache(cache_dir: Path, key: str, build: Callable[[Path], dict]) -> Snapshot:
     """Build (atomically) or take the entry; a cache hit is re-hashed before it is used."""
-    entry = StageCache(Path(cache_dir)).get_or_build(STAGE, key, build)
+    # verify=False: the snapshot's files are re-hashed against its record (and pin) below
+    entry = StageCache(Path(cache_dir)).get_or_build(STAGE, key, build, verify=False)
     rec = Snapshot.from_json(entry.record["snapshot"], where=str(entry.path), error=IntegrityError)
     snap = rec.model_copy(update={"path": entry.path / rec.path, "cache_hit": entry.hit})
     if entry.hit:

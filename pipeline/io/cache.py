@@ -8,6 +8,14 @@ last file written, so a killed stage leaves no entry that a later run could take
 Two processes on one cache (two CI jobs, a recipe sweep) build an entry once: the builder
 holds an exclusive lock (`<root>/.locks/<stage>-<key>.lock`, flock: released by the
 kernel when the holder dies), the other waits and then takes the finished entry.
+
+A hit is verified before it is used: every entry stores the sha256 of each file it wrote,
+stage.json included (`files.sha256`, coreutils format, written just before stage.json), and
+a hit re-hashes them (streaming, io.hashing). An entry that fails -- a file altered, truncated, added or
+removed, or no digests at all (an entry of an older qship) -- is a miss: rebuilt, with a
+warning naming it; with `strict` (--require-pin) it is an integrity failure (exit 3).
+Stages that re-check their own files against a pin (fetch, the benchmark data) pass
+verify=False.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import log
-from ..errors import TransientError
+from ..errors import IntegrityError, TransientError
 from .atomic import atomic_dir, remove_stale_partials
+from .hashing import format_sha256sums, hash_files, list_files, parse_sha256sums
 
 RECORD = "stage.json"
+DIGESTS = "files.sha256"
 _VERSIONED = ("qship", "torch", "transformers", "llmcompressor", "compressed-tensors", "lm-eval")
 
 
@@ -62,38 +72,69 @@ class Entry:
 
 
 class StageCache:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *, strict: bool = False):
         self.root = Path(root)
+        self.strict = strict  # a hit that fails its digests: exit 3 instead of a rebuild
 
     def entry_dir(self, stage: str, key: str) -> Path:
         return self.root / stage / key
 
-    def lookup(self, stage: str, key: str) -> Entry | None:
+    def lookup(self, stage: str, key: str, *, verify: bool = True) -> Entry | None:
         d = self.entry_dir(stage, key)
         rec = d / RECORD
         if not rec.is_file():
             return None
         try:
-            return Entry(d, json.loads(rec.read_text()), True)
+            record = json.loads(rec.read_text())
         except (OSError, ValueError):
             return None  # unreadable record: treat as absent, the build replaces it
+        if verify and (why := self._unverified(d)):
+            where = f"{stage}/{key}"
+            if self.strict:
+                raise IntegrityError(f"cache entry {where} {why}", path=str(d),
+                                     hint=f"delete {d} and run again; find out who altered it")  # fmt: skip
+            log.info(f"  ! cache entry {where} {why}: not used, rebuilt", style="yellow")
+            return None
+        return Entry(d, record, True)
+
+    @staticmethod
+    def _unverified(d: Path) -> str | None:
+        """Why the entry's files cannot be trusted, or None when they match their digests."""
+        try:
+            want = parse_sha256sums((d / DIGESTS).read_bytes(), where=str(d / DIGESTS))
+        except (OSError, IntegrityError):
+            return "has no readable file digests"
+        have = set(list_files(d)) - {DIGESTS}
+        if have != set(want):
+            extra, gone = sorted(have - set(want)), sorted(set(want) - have)
+            return f"has other files than it was written with (extra {extra}, missing {gone})"
+        got = hash_files(d, sorted(want))
+        bad = sorted(r for r, dg in got.items() if dg.sha256 != want[r])
+        return f"fails its sha256 ({', '.join(bad[:5])})" if bad else None
 
     def get_or_build(
-        self, stage: str, key: str, build: Callable[[Path], dict], *, force: bool = False
-    ) -> Entry:
-        """Return the cached entry, or run build(tmpdir) -> record and store it atomically
-        (once, when several processes ask at the same time)."""
-        if not force and (hit := self.lookup(stage, key)):
+        self, stage: str, key: str, build: Callable[[Path], dict], *, force: bool = False,
+        verify: bool = True,
+    ) -> Entry:  # fmt: skip
+        """Return the cached entry (its files re-checked against their digests unless
+        `verify` is off), or run build(tmpdir) -> record and store it atomically (once,
+        when several processes ask at the same time)."""
+        if not force and (hit := self.lookup(stage, key, verify=verify)):
             return hit
         with entry_lock(self.root / ".locks" / f"{stage}-{key}.lock", what=f"{stage} {key}"):
-            if not force and (hit := self.lookup(stage, key)):
+            if not force and (hit := self.lookup(stage, key, verify=verify)):
                 return hit  # built by the process we waited for
             parent = self.root / stage
             remove_stale_partials(parent)
             final = self.entry_dir(stage, key)
             with atomic_dir(final, replace=True) as tmp:
                 record = build(tmp)
-                (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+                text = json.dumps(record, indent=2, sort_keys=True, default=str)
+                rels = [r for r in list_files(tmp) if r not in (RECORD, DIGESTS)]
+                sums = {r: dg.sha256 for r, dg in hash_files(tmp, rels).items()}
+                sums[RECORD] = hashlib.sha256(text.encode()).hexdigest()  # the record too
+                (tmp / DIGESTS).write_text(format_sha256sums(sums))
+                (tmp / RECORD).write_text(text)
         return Entry(final, record, False)
 
 

@@ -8,6 +8,11 @@ torch.distributed). A rerun with the same inputs (the folder is named by the qua
 key) loads layers 0..k-1 from there instead of calibrating them and runs them forward,
 hooks off, which rebuilds layer k's calibration inputs exactly; calibration resumes at k.
 The folder is removed once the checkpoint is complete.
+
+Nothing unverified is loaded: each layer's file has its sha256 beside it (`NNNN.sha256`,
+written before the marker). A rerun loads layers up to the first whose file is missing,
+truncated, altered or replaced; that layer and every later one are calibrated again, so
+the checkpoint is the one an uninterrupted run writes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 import torch
 
 from .. import log
+from ..io.atomic import atomic_write_text
+from ..io.hashing import sha256_file
 from ..records.plan import Plan
 from . import ranks
 from .patches import patched
@@ -55,6 +62,10 @@ class LayerStore:
                 shutil.rmtree(folder, ignore_errors=True)
         n = 0
         while n < len(self.layers) and (folder / f"{n:04d}.json").is_file():
+            if not self._intact(n):
+                log.info(f"  resume: stored decoder layer {n} fails its sha256 ({folder}); it "
+                         "and the layers after it are calibrated again", style="yellow")  # fmt: skip
+                break
             n += 1
         self.restorable = _agreed(n)
         if ranks.is_writer():
@@ -63,6 +74,15 @@ class LayerStore:
         if self.restorable:
             log.info(f"  resuming: decoder layers 0..{self.restorable - 1} of {len(self.layers)} "
                      f"are loaded from {folder}, not calibrated again", style="dim")  # fmt: skip
+
+    def _intact(self, i: int) -> bool:
+        """Layer i's file matches the sha256 recorded when it was written."""
+        assert self.folder is not None
+        f, d = self.folder / f"{i:04d}.safetensors", self.folder / f"{i:04d}.sha256"
+        try:
+            return f.is_file() and sha256_file(f).sha256 == d.read_text().strip()
+        except OSError:
+            return False
 
     def index(self, layer: str) -> int:
         return self.layers.index(layer) if layer in self.layers else -1
@@ -82,7 +102,9 @@ class LayerStore:
         }
         tmp = self.folder / f".{i:04d}.tmp"
         save_file(state, str(tmp))
+        digest = sha256_file(tmp).sha256
         os.replace(tmp, self.folder / f"{i:04d}.safetensors")
+        atomic_write_text(self.folder / f"{i:04d}.sha256", digest + "\n")
         meta = self.folder / f".{i:04d}.json.tmp"
         meta.write_text(json.dumps(measured))
         os.replace(meta, self.folder / f"{i:04d}.json")  # the marker: written last

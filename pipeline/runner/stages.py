@@ -52,7 +52,8 @@ class Context:
 
     @property
     def cache(self) -> StageCache:
-        return StageCache(self.cache_dir)
+        # --require-pin: a cache entry that fails its digests is exit 3, not a rebuild
+        return StageCache(self.cache_dir, strict=self.require_pin)
 
     @contextlib.contextmanager
     def stage(self, name: str, key: str | None = None) -> Iterator[log.StageLine]:
