@@ -152,3 +152,96 @@ def test_fp8_query_rounding(tiny_llama, tmp_path):
     with kv_quantization(model, False):
         off, _ = forward_logits(model, ids)
     assert torch.equal(off, off_wrapped)  # weights-only pass: no query rounding
+
+
+def _resum(art: Path) -> None:
+    from pipeline.io.hashing import format_sha256sums, hash_files, list_files
+
+    sums = {r: d.sha256 for r, d in hash_files(art, list_files(art)).items() if r != "SHA256SUMS"}
+    (art / "SHA256SUMS").write_text(format_sha256sums(sums))
+
+
+@pytest.mark.parametrize("damage", ["nan", "nan-and-eval-sha", "empty", "out-of-vocab"])
+def test_the_served_check_cannot_pass_on_a_garbage_measured_file(
+    served_artifact, tmp_path, capsys, damage
+):
+    """A measured file with NaN log-probs, emptied, or holding ids outside the vocabulary,
+    re-summed so that every checksum holds: `verify --serve` exits 3 naming the file (not 0
+    with "KL nan"). With eval.json's recorded sha256 rewritten too, the NaN is still found."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    art, _ = served_artifact
+    bad = shutil.copytree(art, tmp_path / "bad")
+    f = bad / "qship" / "measured.safetensors"
+    t = load_file(str(f))
+    from safetensors import safe_open
+
+    with safe_open(str(f), "pt") as fh:
+        meta = fh.metadata()
+    if damage.startswith("nan"):
+        t["cand_logp"][3, 0] = float("nan")
+    elif damage == "empty":
+        t = {k: v[:0] for k, v in t.items()}
+    else:
+        t["cand_ids"][0, 0] = 10**7
+    save_file(t, str(f), metadata=meta)
+    if damage == "nan-and-eval-sha":
+        from pipeline.io.hashing import sha256_file
+
+        ev = json.loads((bad / "eval.json").read_text())
+        ev["measured"]["sha256"] = sha256_file(f).sha256
+        (bad / "eval.json").write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
+    _resum(bad)
+    rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu")
+    assert rc == 3, err
+    assert err["path"].endswith("measured.safetensors")
+    want = {
+        "nan": "sha256 eval.json records",
+        "nan-and-eval-sha": "non-finite",
+        "empty": "sha256 eval.json records",
+        "out-of-vocab": "sha256 eval.json records",
+    }
+    assert want[damage] in err["message"]
+
+
+def test_a_nan_figure_fails_the_comparison():
+    """NaN anywhere in a comparison fails it (`nan > max_kl` is False: it used to pass)."""
+    from pipeline.evaluate.served import check
+
+    class Nan:
+        name, facts = "fake", {}
+
+        def logprobs_at(self, ids, want):
+            rows = ids.shape[0] * (ids.shape[1] - 1)
+            return (torch.full((rows, want.shape[1]), float("nan"), dtype=torch.float64),
+                    torch.zeros(rows, dtype=torch.long), 0)  # fmt: skip
+
+    rows, k = 6, 2
+    m = {"ids": torch.zeros(2, 4, dtype=torch.int32),
+         "cand_ids": torch.zeros(rows, k, dtype=torch.int32),
+         "ref_ids": torch.zeros(rows, k, dtype=torch.int32),
+         **{n: torch.full((rows, k), -1.0) for n in ("cand_logp", "ref_logp", "cand_at_ref")},
+         **{n: torch.full((rows,), -3.0) for n in ("cand_tail", "ref_tail", "cand_at_ref_tail")}}  # fmt: skip
+    res = check(Nan(), m, kv_cache_dtype="auto", max_kl=0.01, min_top1=0.9, max_kl_increase=0.05)
+    assert not res.passed and any("not a number" in f for f in res.failures)
+
+
+def test_identical_evaluations_write_identical_measured_files(tmp_path):
+    """The measured file's bytes depend on what was measured only (one metadata key: the
+    order of several changed from process to process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from pathlib import Path; from pipeline.evaluate.served import "
+            "Capture; c = Capture(2); torch.manual_seed(0); "
+            "ref = {'topk_ids': torch.arange(6).reshape(3, 2), 'topk_logp': torch.full((3, 2), -1.0)}; "
+            "c.add(ref, torch.randn(3, 10)); c.save(Path(sys.argv[1]), torch.zeros(1, 4), 'vllm')")  # fmt: skip
+    outs = []
+    for i in range(3):
+        p = tmp_path / f"m{i}.safetensors"
+        env = {"PYTHONHASHSEED": str(i), "PATH": "/usr/bin:/bin"}
+        subprocess.run([sys.executable, "-c", code, str(p)], check=True, cwd=ROOT, env=env)
+        outs.append(p.read_bytes())
+    assert outs[0] == outs[1] == outs[2]

@@ -18,6 +18,8 @@ for all three). The logic is engine-neutral: transformers (CPU, CI) or vLLM (GPU
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,7 +69,9 @@ class Capture:
     def save(self, path: Path, ids: torch.Tensor, attention: str) -> MeasuredInfo:
         tensors = {n: torch.cat(v).contiguous() for n, v in self.parts.items()}
         tensors["ids"] = ids.int().contiguous()
-        meta = {"format": "qship-measured-v1", "topk": str(self.k), "attention": attention}
+        # one metadata key: safetensors writes a map's keys in a per-process order, and two
+        # identical evaluations must write identical bytes
+        meta = {FORMAT: json.dumps({"topk": self.k, "attention": attention}, sort_keys=True)}
         save_file(tensors, str(path), metadata=meta)
         return MeasuredInfo(file=str(path), sha256=sha256_file(path).sha256, topk=self.k,
                             sequences=int(ids.shape[0]), seq_len=int(ids.shape[1]),
@@ -80,21 +84,65 @@ def _log1m_sumexp(lp: torch.Tensor) -> torch.Tensor:
     return torch.log(-torch.expm1(total)).clamp(min=LOG_FLOOR)
 
 
-def load_measured(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+FORMAT = "qship-measured-v1"
+_FLOATS = ("cand_logp", "cand_tail", "ref_logp", "ref_tail", "cand_at_ref", "cand_at_ref_tail")
+_IDS = ("cand_ids", "ref_ids")
+
+
+def load_measured(
+    path: Path, *, sha256: str | None = None, vocab_size: int | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The measured file, checked before anything is compared with it: the sha256 eval.json
+    recorded (when given), its format, every tensor present, non-empty, finite and of the
+    shapes the held-out ids imply, token ids inside the vocabulary. Any failure: exit 3."""
     from safetensors import safe_open
 
-    if not Path(path).is_file():
+    path = Path(path)
+    hint = ("do not deploy: the measured file is not what evaluate wrote (a corrupted or "
+            "altered artifact); re-run qship run")  # fmt: skip
+
+    def bad(why: str) -> IntegrityError:
+        return IntegrityError(f"measured log-probs {why}", path=str(path), hint=hint)
+
+    if not path.is_file():
         raise IntegrityError(
             "no measured log-probs to compare with",
             path=str(path),
             hint="package the artifact with qship >= this version (evaluation.measured_topk > 0)",
         )
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-    if meta.get("format") != "qship-measured-v1":
-        raise IntegrityError(f"not a qship measured file (format {meta.get('format')!r})",
-                             path=str(path))  # fmt: skip
-    return load_file(str(path)), meta
+    if sha256 is not None and (got := sha256_file(path).sha256) != sha256:
+        raise bad(f"do not match the sha256 eval.json records ({got[:16]}… vs {sha256[:16]}…)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            raw = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same failure
+        raise bad(f"are not a readable safetensors file ({type(e).__name__}: {e})") from e
+    if FORMAT in raw:
+        meta = {k: str(v) for k, v in json.loads(raw[FORMAT]).items()}
+    elif raw.get("format") == FORMAT:  # written by qship before the one-key metadata
+        meta = dict(raw)
+    else:
+        raise bad(f"are not a qship measured file (metadata {sorted(raw)})")
+    missing = [n for n in ("ids", *_IDS, *_FLOATS) if n not in tensors]
+    if missing:
+        raise bad(f"lack {missing}")
+    ids = tensors["ids"]
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
+        raise bad(f"hold held-out ids of shape {tuple(ids.shape)} (empty or not [S, L>=2])")
+    rows = ids.shape[0] * (ids.shape[1] - 1)
+    for n in (*_IDS, *_FLOATS):
+        if tensors[n].shape[0] != rows:
+            raise bad(f"{n} has {tensors[n].shape[0]} rows, the held-out ids imply {rows}")
+        if n in _FLOATS and not bool(torch.isfinite(tensors[n]).all()):
+            raise bad(f"{n} holds non-finite values (NaN or inf)")
+    if vocab_size is not None:
+        top = max(int(tensors[n].max()) for n in ("ids", *_IDS))
+        low = min(int(tensors[n].min()) for n in ("ids", *_IDS))
+        if top >= vocab_size or low < 0:
+            raise bad(f"hold token id {top if top >= vocab_size else low}, outside the model's "
+                      f"vocabulary of {vocab_size}")  # fmt: skip
+    return tensors, meta
 
 
 class Engine(Protocol):
@@ -152,11 +200,14 @@ def check(
                         measured["cand_ids"][:, 0].long() == ref_top1)  # fmt: skip
     increase = vs_ref.kl_mean / meas_ref.kl_mean - 1 if meas_ref.kl_mean > 0 else 0.0
     failures = []
-    if vs_meas.kl_mean > max_kl:
+    figures = [vs_meas.kl_mean, vs_meas.kl_p99, vs_meas.top1, vs_ref.kl_mean, meas_ref.kl_mean]
+    if not all(math.isfinite(x) for x in figures):
+        failures.append("a served or measured figure is not a number (NaN / inf)")
+    if not vs_meas.kl_mean <= max_kl:
         failures.append(f"served vs measured KL {vs_meas.kl_mean:.4g} > max_kl {max_kl:g}")
-    if vs_meas.top1 < min_top1:
+    if not vs_meas.top1 >= min_top1:
         failures.append(f"served vs measured top-1 {vs_meas.top1:.4f} < min_top1 {min_top1:g}")
-    if increase > max_kl_increase:
+    if not increase <= max_kl_increase:
         failures.append(f"served KL to the reference is {increase:+.1%} of the measured "
                         f"(> max_kl_increase {max_kl_increase:.0%})")  # fmt: skip
     return ServedCheck(
@@ -171,12 +222,14 @@ def check(
 
 def run_check(
     model_dir: Path, measured_path: Path, gate: ServeGate, *, device: str | None = None,
-    **engine_opts: Any,
+    sha256: str | None = None, **engine_opts: Any,
 ) -> ServedCheck:  # fmt: skip
-    """Load `model_dir` in the gate's engine and compare it with the measured file."""
+    """Load `model_dir` in the gate's engine and compare it with the measured file (checked
+    against `sha256`, what eval.json records, and the model's vocabulary first)."""
     from . import engines
 
-    measured, meta = load_measured(measured_path)
+    measured, meta = load_measured(measured_path, sha256=sha256,
+                                   vocab_size=_vocab_size(Path(model_dir)))  # fmt: skip
     t0 = time.perf_counter()
     with log.heartbeat(f"served check ({gate.engine})"):
         eng = engines.make(gate.engine, Path(model_dir), kv_cache_dtype=gate.kv_cache_dtype,
@@ -186,3 +239,12 @@ def run_check(
         return check(eng, measured, kv_cache_dtype=gate.kv_cache_dtype, max_kl=gate.max_kl,
                      min_top1=gate.min_top1, max_kl_increase=gate.max_kl_increase,
                      load_s=load_s)  # fmt: skip
+
+
+def _vocab_size(model_dir: Path) -> int | None:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(v) if isinstance(v, int) else None

@@ -261,7 +261,8 @@ def serve_stage(
             line.note = f"not run: {reason}"
             return report.model_copy(update={"served_skipped": reason})
         assert report.measured is not None
-        chk = run_check(qc.path, Path(report.measured.file), sg, device=ctx.device)
+        chk = run_check(qc.path, Path(report.measured.file), sg, device=ctx.device,
+                        sha256=report.measured.sha256)  # fmt: skip
         line.note = chk.summary().splitlines()[0]
     return report.model_copy(update={"served": chk})
 
