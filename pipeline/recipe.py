@@ -88,12 +88,14 @@ class Options(_Strict):
     dampening_frac: float | None = Field(default=None, gt=0, lt=1)
     # llm-compressor 0.14's GPTQ orders columns by static or weight only ("group" fails there)
     actorder: Literal["static", "weight"] | None = None
-    block_size: int | None = Field(default=None, gt=0)
-    n_grid: int | None = Field(default=None, gt=0)
+    # every number is bounded by what a real run could need (beyond it: exit 2): GPTQ's
+    # default block is 128, AWQ's grid 20 points, AutoRound's 200 steps per layer
+    block_size: int | None = Field(default=None, gt=0, le=8192)
+    n_grid: int | None = Field(default=None, gt=0, le=200)
     duo_scaling: bool | Literal["both"] | None = None
     offload_cache: bool | None = None
     awq_scales: bool | None = None
-    iters: int | None = Field(default=None, gt=0)
+    iters: int | None = Field(default=None, gt=0, le=10_000)
 
     @field_validator("actorder", mode="before")
     @classmethod
@@ -177,16 +179,17 @@ class KVCache(_Strict):
 
 class CalibrationConfig(_Strict):
     source: str = "builtin:english"
-    num_samples: int = Field(default=128, gt=0)
-    seq_len: int = Field(default=512, gt=1)
-    batch_size: int = Field(default=16, gt=0)
+    # bounds: far above any published calibration set (llm-compressor's examples: 512 x 2048)
+    num_samples: int = Field(default=128, gt=0, le=65_536)
+    seq_len: int = Field(default=512, gt=1, le=131_072)
+    batch_size: int = Field(default=16, gt=0, le=4096)
     seed: int = 0
     # MoE: every expert sees every calibration token (the layer's output still uses only the
     # routed experts); off, an expert the router rarely picks may get too few tokens
     all_experts: bool = True
     # MoE: an expert that received fewer calibration tokens than this fails the run (exit 1)
     # instead of being written with scales from (almost) no data
-    min_expert_tokens: int = Field(default=64, ge=1)
+    min_expert_tokens: int = Field(default=64, ge=1, le=1_000_000_000)
 
     @field_validator("source")
     @classmethod
@@ -199,19 +202,19 @@ class CalibrationConfig(_Strict):
 
 
 class EvaluationConfig(_Strict):
-    sequences: int = Field(default=32, gt=0)
-    seq_len: int = Field(default=512, gt=1)
-    batch_size: int = Field(default=4, gt=0)
+    sequences: int = Field(default=32, gt=0, le=65_536)
+    seq_len: int = Field(default=512, gt=1, le=131_072)
+    batch_size: int = Field(default=4, gt=0, le=4096)
     # benchmarks whose data qship fetches offline (pinned): hellaswag, arc_easy,
     # arc_challenge, piqa, winogrande, lambada_openai, mmlu (or mmlu_<subject>)
     tasks: list[str] = Field(default_factory=list)
     # any other lm-eval task, its data from the Hub (skipped with a reason when offline)
     hub_tasks: list[str] = Field(default_factory=list)
     # the first N items of each task (per subject for mmlu); null = the whole split
-    limit: int | None = Field(default=None, gt=0)
+    limit: int | None = Field(default=None, gt=0, le=10_000_000)
     # lm-eval's batch size: its float32 log-softmax over the vocabulary is batch x length x
     # vocab (Gemma: 262k) -- 16 long MMLU prompts need 20 GB; raise it on a GPU
-    task_batch_size: int = Field(default=4, gt=0)
+    task_batch_size: int = Field(default=4, gt=0, le=4096)
     # largest share of an evaluation set (held-out windows, a task's items) that may share
     # a word 13-gram with the calibration text; above it the run refuses (exit 2)
     max_overlap: float = Field(default=0.01, ge=0.0, le=1.0)
@@ -367,6 +370,9 @@ def _fix_for(err: Any) -> str:
             " (the recipe keys: README.md, \"Recipes\", and pipeline/recipe.py)")  # fmt: skip
     if t == "missing":
         return "add this required field"
+    if t in ("less_than_equal", "less_than"):
+        return ("use a value within the bound: it is set far above what a real run needs, so "
+                "that a typo cannot exhaust memory or run for days")  # fmt: skip
     if t.startswith("literal_error"):
         return f"use one of the allowed values ({err.get('ctx', {}).get('expected', '')})"
     return "correct the value as the message says"

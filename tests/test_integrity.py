@@ -82,3 +82,73 @@ def test_an_altered_evaluation_record_is_not_reused(first_run, capsys):
     assert rc == 0, out
     ev = json.loads((tmp / "d" / "eval.json").read_text())
     assert ev["metrics"]["kl"]["mean"] == true_kl > 0
+
+
+def _tiny_with(tmp: Path, tiny: Path, **config) -> Path:
+    import json
+    import shutil
+
+    d = shutil.copytree(tiny, tmp / "model")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(config)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize(("config", "said"), [
+    ({"num_hidden_layers": 100_000}, "num_hidden_layers 100,000 (at most 1,024)"),
+    ({"intermediate_size": 2**31}, "intermediate_size 2,147,483,648"),
+    ({"vocab_size": 10**10}, "vocab_size 10,000,000,000"),
+    ({"num_hidden_layers": 8}, "weights hold 4 decoder layers but num_hidden_layers is 8"),
+    ({"intermediate_size": 1024}, "config.json says intermediate_size 1024"),
+])  # fmt: skip
+def test_a_config_that_disagrees_with_its_weights_is_refused_before_loading(
+    tiny_llama, tmp_path, capsys, config, said
+):
+    """Exit 3 from the safetensors headers in seconds, before transformers builds a model
+    (a 100,000-layer config used to run for more than 10 minutes)."""
+    import time
+
+    model = _tiny_with(tmp_path, tiny_llama, **config)
+    r = recipe(tmp_path, "absurd")
+    t0 = time.monotonic()
+    for args in (["plan", "--model", str(model), "--recipe", str(r)],
+                 ["run", "--model", str(model), "--recipe", str(r), "--out", str(tmp_path / "o"),
+                  "--cache-dir", str(tmp_path / "c")]):  # fmt: skip
+        rc, err = qship(capsys, *args)
+        assert rc == INTEGRITY, err
+        assert said in err["message"], err["message"]
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "o").exists()
+
+
+def test_recipe_numbers_beyond_any_real_run_are_exit_2(tiny_llama, tmp_path, capsys):
+    import json
+
+    for where, value, field in ((("groups", 0, "options", "n_grid"), 10**9, "n_grid"),
+                                (("calibration", "num_samples"), 10**8, "num_samples"),
+                                (("calibration", "batch_size"), 10**6, "batch_size"),
+                                (("groups", 0, "options", "iters"), 10**7, "iters")):  # fmt: skip
+        d = json.loads(recipe(tmp_path, "big").read_text())
+        d["groups"][0]["method"] = "autoround" if field == "iters" else "awq"
+        d["groups"][0]["scheme"]["symmetric"] = False
+        node = d
+        for k in where[:-1]:
+            node = node.setdefault(k, {}) if isinstance(k, str) else node[k]
+        node[where[-1]] = value
+        p = tmp_path / "big.yaml"
+        p.write_text(json.dumps(d))
+        rc, err = qship(capsys, "plan", "--model", str(tiny_llama), "--recipe", str(p))
+        assert rc == 2 and field in err["message"] and "less than or equal" in err["message"], err
+
+
+def test_a_run_the_machine_cannot_hold_is_refused_before_fetch(tiny_llama, tmp_path, capsys,
+                                                               monkeypatch):  # fmt: skip
+    from pipeline.model import devices
+
+    r = recipe(tmp_path, "fits")
+    args = ["run", "--model", str(tiny_llama), "--recipe", str(r), "--device", "cpu",
+            "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")]  # fmt: skip
+    monkeypatch.setattr(devices, "free_cpu_bytes", lambda: 10**8)  # 0.1 GB of host memory
+    rc, err = qship(capsys, *args)
+    assert rc == 2 and "GB of host memory" in err["message"] and "0.1 GB are free" in err["message"]
+    assert not (tmp_path / "c" / "fetch").exists()

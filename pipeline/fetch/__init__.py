@@ -63,7 +63,12 @@ def fetch(
 
         snap = fetch_gguf(src, cache_dir=cache_dir, checksums_dir=checksums_dir, pin=pin,
                           require_pin=require_pin)  # fmt: skip
-    return _pin_by_content(snap, checksums_dir, require_pin)
+    snap = _pin_by_content(snap, checksums_dir, require_pin)
+    if any(Path(snap.path).glob("*.safetensors")):
+        from ..model.checkpoint import check_source_weights
+
+        check_source_weights(Path(snap.path))  # config.json vs the headers: exit 3
+    return snap
 
 
 def _pin_by_content(snap: Snapshot, checksums_dir: Path, require_pin: bool) -> Snapshot:
@@ -89,14 +94,22 @@ def read_config(source: str | Path, *, cache_dir: Path) -> Any:
     config.json, the Hub's config.json at the revision, a GGUF's metadata."""
     from transformers import AutoConfig
 
+    from ..model.checkpoint import check_config_bounds, check_source_weights
+
     src = parse_source(source)
     try:
         if src.kind == "dir":
+            assert src.path is not None
+            # config.json against the weights' headers before any model is built from it
+            if any(src.path.glob("*.safetensors")):
+                check_source_weights(src.path)
             return AutoConfig.from_pretrained(str(src.path))
         if src.kind == "hf":
             from .hub import hub_config
 
-            return hub_config(src)
+            config = hub_config(src)
+            check_config_bounds(config.to_dict(), where=f"{src.text}/config.json")
+            return config
         from .gguf import gguf_path
 
         path, _, _ = gguf_path(src, Path(cache_dir))

@@ -141,9 +141,29 @@ def choose(
     return estimate(plan, config, recipe, device, offload="disk")
 
 
-def require_fit(est: ResourceEstimate, *, free_gpu_bytes: int | None, recipe: Recipe) -> None:
-    """Exit 2 before anything is loaded when the predicted GPU peak exceeds free memory,
-    saying what would fit."""
+def require_fit(
+    est: ResourceEstimate, *, free_gpu_bytes: int | None, recipe: Recipe,
+    free_cpu_bytes: int | None = None, free_disk_bytes: int | None = None,
+) -> None:  # fmt: skip
+    """Exit 2 before anything is loaded when the predicted GPU peak, host peak or disk use
+    exceeds what is free, saying what would fit."""
+    if free_cpu_bytes is not None and est.quantize_cpu_bytes > free_cpu_bytes:
+        off = ("; --offload disk keeps the weights in memory-mapped files"
+               if est.offload != "disk" and est.device == "cuda" else "")  # fmt: skip
+        raise UsageError(
+            f"quantize needs about {est.quantize_cpu_bytes / GB:.1f} GB of host memory "
+            f"(predicted, --offload {est.offload}) but {free_cpu_bytes / GB:.1f} GB are free",
+            path=recipe.path,
+            hint=f"use a machine with more memory{off}; `qship plan` prints the estimate "
+            "(a config.json that claims far more than its weights hold is refused as well)",
+        )
+    if free_disk_bytes is not None and est.disk_bytes > free_disk_bytes:
+        raise UsageError(
+            f"the run needs about {est.disk_bytes / GB:.1f} GB of disk (cache entries and the "
+            f"artifact, predicted) but {free_disk_bytes / GB:.1f} GB are free",
+            path=recipe.path,
+            hint="free space, or point $QSHIP_CACHE / --cache-dir at a larger file system",
+        )
     need = est.quantize_gpu_bytes
     if need is None or free_gpu_bytes is None or need <= free_gpu_bytes:
         return

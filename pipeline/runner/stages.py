@@ -6,6 +6,7 @@ quantize and evaluate, its stage-cache entry: the pieces `run()` (and `qship com
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +88,9 @@ def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = 
         free = free_gpu_bytes(ctx.device)
         est = choose(plan, config, recipe, ctx.device or default_device(), offload=ctx.offload,
                      free_gpu_bytes=free, free_cpu_bytes=free_cpu_bytes())  # fmt: skip
-        require_fit(est, free_gpu_bytes=free, recipe=recipe)
+        ctx.cache_dir.mkdir(parents=True, exist_ok=True)
+        require_fit(est, free_gpu_bytes=free, recipe=recipe, free_cpu_bytes=free_cpu_bytes(),
+                    free_disk_bytes=shutil.disk_usage(ctx.cache_dir).free)  # fmt: skip
         ctx.offload = est.offload
         plan = plan.model_copy(update={"estimate": est})
         line.note = f"{recipe.name} fits {plan.architecture} ({recipe.path})"
