@@ -312,6 +312,24 @@ def third_party_to(log_path: Path | None, *, verbose: bool = False) -> Iterator[
         fh.close()
 
 
+@contextlib.contextmanager
+def traceback_to_log(expected: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """An unexpected error's traceback goes where library output goes now (inside
+    `third_party_to`: its log file), once: the exception is marked as logged. qship's own
+    errors and `expected` ones carry their message and need none."""
+    import traceback
+
+    try:
+        yield
+    except Exception as e:
+        from .errors import QshipError
+
+        if not isinstance(e, (QshipError, *expected)) and not getattr(e, "_qship_logged", False):
+            traceback.print_exc()
+            e._qship_logged = True  # type: ignore[attr-defined]
+        raise
+
+
 def _redirect_fd(fd: int, to: int) -> int | None:
     """Point `fd` at `to` (a copy of the old one returned), or None when the streams are not
     real descriptors (pytest's capture)."""

@@ -366,7 +366,8 @@ def _fix_for(err: Any) -> str:
     t = err.get("type", "")
     if t == "extra_forbidden":
         near = _closest_key(err["loc"])
-        return (f"rename it to `{near}`" if near else "delete or rename this key") + (
+        return (f"rename it to `{near}`, or delete this key" if near
+                else "delete this key, or correct its spelling") + (
             " (the recipe keys: README.md, \"Recipes\", and pipeline/recipe.py)")  # fmt: skip
     if t == "missing":
         return "add this required field"

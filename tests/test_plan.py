@@ -149,11 +149,12 @@ def test_plan_cli_json_and_table(tiny_gemma, capsys):
     assert d["recipe_name"] == "gemma-mixed-w4" and d["architecture"] == "Gemma3ForCausalLM"
     assert {m["name"]: m["method"] for m in d["modules"]}["model.layers.2.mlp.down_proj"] == "gptq"
     assert d["expected_checkpoint_bytes"] > 0 and "quantized" in d["bits_per_weight"]
-    assert (
-        main(["plan", "--model", str(tiny_gemma), "--recipe", str(R / "gemma-mixed-w4.yaml")]) == 0
-    )
+    plan = ["plan", "--model", str(tiny_gemma), "--recipe", str(R / "gemma-mixed-w4.yaml")]
+    assert main(plan) == 0
     err = capsys.readouterr().err
-    assert "model.layers.0.self_attn.q_proj" in err and "skipped" in err
+    assert "model.layers.0.self_attn.q_proj" not in err and "skipped" in err  # the summary
+    assert main([*plan, "--table"]) == 0
+    assert "model.layers.0.self_attn.q_proj" in capsys.readouterr().err  # and every module
 
 
 def test_plan_needs_a_checkpoint_dir(tmp_path, capsys):

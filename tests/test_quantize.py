@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -247,7 +246,7 @@ def test_quantize_cli(tiny_gemma, tmp_path, capsys):
     res = json.loads(cap.out)  # stdout holds only the JSON (library output goes to the log)
     assert res["path"] == str(out) and res["checks"]["checked_modules"] == 29
     assert "✓ quantize" in cap.err and "Loading weights" not in cap.err
-    log = (Path(os.environ["QSHIP_CACHE"]) / "logs" / "qship.log").read_text()
+    log = (tmp_path / "c" / "logs" / "qship.log").read_text()  # the --cache-dir's log
     assert "[4/4 layers] model.layers.3 done" in log  # per-layer lines in the log
     # the output exists now: a second run is a usage error, nothing overwritten
     assert main([*args, "--cache-dir", str(tmp_path / "c"), "--json"]) == 2

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from typing import Annotated, Any
 
 import typer
@@ -87,14 +86,10 @@ class _Command(TyperCommand):
     def invoke(self, ctx: Any) -> Any:
         from .common import cache_root
 
-        logfile = default_log(cache_root(ctx.params.get("cache_dir")))
-        with log.third_party_to(logfile, verbose=STATE.verbose):
-            try:
-                return super().invoke(ctx)
-            except Exception as e:
-                if not isinstance(e, (QshipError, typer.Exit, *_usage_errors())):
-                    traceback.print_exc()
-                raise
+        logfile = STATE.logfile = default_log(cache_root(ctx.params.get("cache_dir")))
+        with (log.third_party_to(logfile, verbose=STATE.verbose),
+              log.traceback_to_log(expected=(typer.Exit, *_usage_errors()))):  # fmt: skip
+            return super().invoke(ctx)
 
 
 for _name, _fn in (
@@ -156,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     head = args[: args.index("--")] if "--" in args else args
     as_json = "--json" in head
-    STATE.verbose, STATE.as_json = False, False
+    STATE.verbose, STATE.as_json, STATE.logfile = False, False, None
     try:
         result = app(args=args, standalone_mode=False)
         if isinstance(result, int) and not isinstance(result, bool):
@@ -184,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(_json({"error": type(e).__name__, "exit_code": 2, "message": msg}))
         return 2
     except Exception as e:  # noqa: BLE001 - the contract maps anything else to 1
-        where = "" if STATE.verbose else f" (traceback in {default_log()})"
+        where = "" if STATE.verbose else f" (traceback in {STATE.logfile or default_log()})"
         data = {"error": type(e).__name__, "exit_code": 1, "message": str(e)}
         _fail(data, f"{type(e).__name__}: {e}{where}", as_json)
         return 1

@@ -19,6 +19,7 @@ class State:
 
     verbose: bool = False
     as_json: bool = False
+    logfile: Path | None = None  # where the running command's library output and tracebacks go
 
 
 STATE = State()

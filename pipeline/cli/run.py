@@ -64,9 +64,9 @@ def run_cmd(
     from .common import STATE
 
     check_offload(offload)
-    logfile = report_dir_for(check_out(out)) / "run.log"
+    logfile = STATE.logfile = report_dir_for(check_out(out)) / "run.log"
     log.info(f"qship run {model} → {out}  (library output: {logfile})", style="bold")
-    with log.third_party_to(logfile, verbose=STATE.verbose):
+    with log.third_party_to(logfile, verbose=STATE.verbose), log.traceback_to_log():
         return run(model, recipe, out, cache_dir=cache_root(cache_dir), publish_to=publish_to,
                    sign_key=sign_key, device=device, allow_pickle=allow_pickle,
                    require_pin=require_pin, offload=offload, gpus=gpus,

@@ -139,8 +139,9 @@ def best_by_width(rows: list[dict]) -> dict[str, str]:
 
 
 def budget(bits: float) -> float:
-    """The bit budget a row falls in: its width + 0.25 (4.125 and 4.248 -> 4.25)."""
-    return int(bits) + 0.25
+    """The bit budget a row falls in: its bits rounded up to a quarter bit (4.125 and 4.248
+    -> 4.25, 4.313 -> 4.5, 8.02 -> 8.25)."""
+    return math.ceil(bits * 4 - 1e-9) / 4
 
 
 def goals(rows: list[dict]) -> dict[str, str]:

@@ -36,6 +36,7 @@ from ..io.safetensors_header import FLOAT_DTYPES, Header, TensorInfo, read_heade
 from ..records.plan import ModuleScheme
 from .devices import DTYPES
 from .matching import matches
+from .moe import saved_name_to_module
 from .roles import split_fused
 
 INDEX = "model.safetensors.index.json"
@@ -75,6 +76,9 @@ def inspect_checkpoint(
     p.raise_if_any("safetensors header check")
     tensors = _tensors(root, headers, p)
     p.raise_if_any("safetensors index check")
+    # a family saved in its Hub layout (Mixtral) is checked under the model's own names
+    to_module = saved_name_to_module(text_config(config).get("model_type"))
+    tensors = {to_module(n): v for n, v in tensors.items()}
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
         p.add("config.json", "no quantization_config object (not a quantized checkpoint)")

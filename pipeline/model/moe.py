@@ -8,10 +8,18 @@ calibration forward sends every token through every expert while the layer's out
 uses only the routed ones (oneshot's `moe_calibrate_all_experts`, on by default). The saved
 checkpoint has per-expert tensors (experts.N.gate_proj.weight_packed ...), the layout vLLM
 reads and transformers re-fuses on load.
+
+Some families are saved in their Hub layout, not in the module names qship plans with:
+transformers 5 reverses its checkpoint conversion on save, so a linearized Mixtral is
+written as `block_sparse_moe.experts.N.w1/w3/w2` (the names vLLM reads) for the modules
+`mlp.experts.N.gate_proj/up_proj/down_proj`. `saved_name_to_module` maps a stored name
+back, from transformers' own conversion table for the model type.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,3 +51,40 @@ def linearize_meta(model: Any) -> int:
             cls = LinearExperts2D.get_linear_experts_cls(mod.__class__)
             model.set_submodule(name, cls(getattr(mod, "config", model.config)))
     return len(found)
+
+
+# which per-expert Linear each source of a fused-experts target is (source order)
+_FUSED_TARGETS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def saved_name_to_module(model_type: str | None) -> Callable[[str], str]:
+    """name in a saved checkpoint -> name in the (linearized) model, for the families that
+    transformers saves in another layout (identity for the others)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        rules = get_checkpoint_conversion_mapping(model_type) or [] if model_type else []
+    except Exception:  # noqa: BLE001 - no table for this type: names are as saved
+        rules = []
+    subs: list[tuple[re.Pattern[str], str]] = []
+    for r in rules:
+        src, tgt = list(r.source_patterns), list(r.target_patterns)
+        if type(r).__name__ == "WeightRenaming" and len(src) == len(tgt) == 1:
+            subs.append((re.compile(re.escape(src[0])), tgt[0]))
+            continue
+        leaves = _FUSED_TARGETS.get(tgt[0].rsplit(".", 1)[-1]) if len(tgt) == 1 else None
+        if not leaves or len(leaves) != len(src):
+            continue
+        for pattern, leaf in zip(src, leaves, strict=True):
+            m = re.search(r"experts\.\*\.(\w+)\.weight$", pattern)
+            if m and m.group(1) != leaf:
+                subs.append(
+                    (re.compile(rf"\.experts\.(\d+)\.{m.group(1)}\."), rf".experts.\1.{leaf}.")
+                )
+
+    def to_module(name: str) -> str:
+        for pattern, repl in subs:
+            name = pattern.sub(repl, name)
+        return name
+
+    return to_module
