@@ -57,6 +57,10 @@ def test_roles_of_every_listed_family(model_type):
 @pytest.mark.parametrize("model_type", sorted(EXPECT))
 def test_every_shipped_recipe_plans_unchanged_on_every_family(model_type):
     cfg = config(model_type)
+    if model_type == "mixtral":  # refused: the pinned transformers cannot load it back
+        with pytest.raises(RecipeError, match="cannot load back the experts"):
+            plan_for_config(cfg, load_recipe(SHIPPED[0]))
+        return
     for p in SHIPPED:
         plan = plan_for_config(cfg, load_recipe(p))
         assert all(m.group != "(others)" for m in plan.modules), p.name  # every Linear claimed

@@ -24,6 +24,7 @@ plan (llm-compressor lets a later modifier silently win on overlapping targets).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -32,7 +33,14 @@ from typing import Any
 
 from ..errors import IntegrityError, QshipError
 from ..io.problems import Problems, read_json_object
-from ..io.safetensors_header import FLOAT_DTYPES, Header, TensorInfo, read_header, read_int_tensor
+from ..io.safetensors_header import (
+    FLOAT_DTYPES,
+    Header,
+    TensorInfo,
+    read_header,
+    read_int_tensor,
+    read_tensor_bytes,
+)
 from ..records.plan import ModuleScheme
 from .devices import DTYPES
 from .matching import matches
@@ -79,6 +87,8 @@ def inspect_checkpoint(
     # a family saved in its Hub layout (Mixtral) is checked under the model's own names
     to_module = saved_name_to_module(text_config(config).get("model_type"))
     tensors = {to_module(n): v for n, v in tensors.items()}
+    headers = {rel: dataclasses.replace(h, tensors={to_module(n): t for n, t in h.tensors.items()})
+               for rel, h in headers.items()}  # fmt: skip
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
         p.add("config.json", "no quantization_config object (not a quantized checkpoint)")
@@ -285,17 +295,21 @@ def _check_layers(cfg: dict, tensors: Tensors, p: Problems) -> None:
 def _check_scale_values(root: Path, tensors: Tensors, headers, p: Problems) -> None:
     """Stored scales must be finite and positive: a module or expert that calibration never
     reached is saved with NaN or 0 scales, which load fine and then produce garbage."""
-    from safetensors import safe_open
+    import torch
 
     names = [n for n in tensors if n.endswith((".weight_scale", *(f".{s}" for s in KV_SCALES)))]
     by_file: dict[str, list[str]] = {}
     for n in names:
         by_file.setdefault(tensors[n][0], []).append(n)
+    codes = {d.safetensors: d for d in DTYPES.values()}
     for rel, ns in sorted(by_file.items()):
         try:
-            with safe_open(str(root / rel), "pt") as fh:
+            # by the header's offsets: the names here are the model's, the file's may differ
+            with open(root / rel, "rb") as fh:
                 for n in sorted(ns):
-                    t = fh.get_tensor(n).float()
+                    info = headers[rel].tensors[n]
+                    raw = bytearray(read_tensor_bytes(fh, headers[rel], n))
+                    t = torch.frombuffer(raw, dtype=codes[info.dtype].torch()).float()
                     bad = int((~(t.isfinite() & (t > 0))).sum())
                     if bad:
                         p.add(rel, f"{n}: {bad} of {t.numel()} scale(s) not finite and positive "

@@ -55,7 +55,10 @@ def load_model(
     if offload == "cpu" and device_kind(device) == "cpu" and not _distributed():
         offload = "none"  # host memory is where the weights are anyway
     if offload == "none" and not _distributed():
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype,
+                                                           output_loading_info=True)  # fmt: skip
+        _require_complete(path, info)
+        _cast_strays(model, torch_dtype)
         if linear_experts:
             linearize(model)
         return model.to(device).eval()
@@ -85,6 +88,33 @@ def load_model(
     if offload == "cpu" and device_kind(device) == "cuda" and not _distributed():
         _pin(model)
     return model.eval()
+
+
+def _require_complete(path: Path, info: dict[str, Any]) -> None:
+    """A parameter the checkpoint did not fill is initialized at random by transformers, with
+    only a log line: the model would look loaded and compute garbage. Fail instead."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        from ..errors import StageError
+
+        raise StageError(
+            f"transformers loaded {len(missing)} parameter(s) of {path.name} from nothing (they "
+            f"would be random): {', '.join(missing[:4])}" + (" …" if len(missing) > 4 else ""),
+            path=str(path / "config.json"),
+            hint="the checkpoint's tensor names do not match what this transformers version "
+            "loads (constraints.txt pins the versions qship is tested with)",
+        )
+
+
+def _cast_strays(model: Any, dtype: Any) -> None:
+    """Floating parameters left in the checkpoint's dtype although another was asked for
+    (transformers 5.17 leaves Mixtral's router, renamed on load from block_sparse_moe.gate,
+    in bf16 when float32 is asked: the first forward fails on the dtype mix)."""
+    if isinstance(dtype, str):  # "auto": the checkpoint's own dtypes are wanted
+        return
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def _pin(model: Any) -> None:
