@@ -407,8 +407,26 @@ def parse_recipe(data: Any, *, path: str = "<recipe>") -> Recipe:
     return recipe
 
 
-def load_recipe(path: Path | str) -> Recipe:
+# qship's own source tree (a checkout or an editable install): its shipped recipes/
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_RECIPES = SOURCE_ROOT / "recipes"
+
+
+def find_recipe(path: Path | str) -> Path:
+    """`path` as given when it exists; else a shipped recipe by the same relative path
+    (`recipes/gptq-w4.yaml` from any working directory) or name (`gptq-w4`)."""
     p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    for cand in (SOURCE_ROOT / p, SHIPPED_RECIPES / p.name,
+                 SHIPPED_RECIPES / f"{p.name}.yaml"):  # fmt: skip
+        if cand.is_file():
+            return cand
+    return p
+
+
+def load_recipe(path: Path | str) -> Recipe:
+    p = find_recipe(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:

@@ -210,3 +210,16 @@ def test_a_long_step_without_a_terminal_prints_a_line_every_period(tmp_path):
     assert any(ln.strip().startswith("child: still running") for ln in beats)
     assert "child says hi" in logfile.read_text() and "child says hi" not in p.stderr
     assert "✓ fake" in p.stderr
+
+
+def test_readme_paths_work_from_another_working_directory(tiny_llama, tmp_path):
+    """`--recipe recipes/X.yaml` (as README writes it) and a recipe's bare name find the
+    shipped recipe from any folder; `compare --matrix` lists them too."""
+    for recipe in ("recipes/gptq-w4.yaml", "gptq-w4"):
+        p = cli("plan", "--model", str(tiny_llama), "--recipe", recipe, "--json", cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["recipe_name"] == "gptq-w4"
+    m = cli("compare", "--matrix", cwd=tmp_path)
+    assert m.returncode == 0 and "gptq-w4" in {j["name"] for j in json.loads(m.stdout)["include"]}
+    bad = cli("plan", "--model", str(tiny_llama), "--recipe", "recipes/nope.yaml", cwd=tmp_path)
+    assert bad.returncode == 2 and "cannot read the recipe" in bad.stderr

@@ -29,10 +29,15 @@ REPORT_SUFFIX = ".report"  # `qship run --out X` writes the artifact X and its r
 # ------------------------------------------------------------------ matrix
 
 
-def recipe_paths(recipes: list[Path] | None, recipes_dir: Path = Path("recipes")) -> list[Path]:
-    """The given recipe files, or every recipes/*.yaml when none is given."""
+def recipe_paths(recipes: list[Path] | None, recipes_dir: Path | None = None) -> list[Path]:
+    """The given recipe files, or every shipped recipe (./recipes when there is one, else
+    qship's own) when none is given."""
+    from ..recipe import SHIPPED_RECIPES
+
     if recipes:
         return [Path(r) for r in recipes]
+    if recipes_dir is None:
+        recipes_dir = Path("recipes") if Path("recipes").is_dir() else SHIPPED_RECIPES
     found = sorted(Path(recipes_dir).glob("*.yaml"))
     if not found:
         raise UsageError(
