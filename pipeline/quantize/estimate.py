@@ -147,6 +147,9 @@ def require_fit(
 ) -> None:  # fmt: skip
     """Exit 2 before anything is loaded when the predicted GPU peak, host peak or disk use
     exceeds what is free, saying what would fit."""
+    need = est.quantize_gpu_bytes
+    if need is not None and free_gpu_bytes is not None and need > free_gpu_bytes:
+        _gpu_too_small(need, free_gpu_bytes, est, recipe)
     if free_cpu_bytes is not None and est.quantize_cpu_bytes > free_cpu_bytes:
         off = ("; --offload disk keeps the weights in memory-mapped files"
                if est.offload != "disk" and est.device == "cuda" else "")  # fmt: skip
@@ -164,9 +167,9 @@ def require_fit(
             path=recipe.path,
             hint="free space, or point $QSHIP_CACHE / --cache-dir at a larger file system",
         )
-    need = est.quantize_gpu_bytes
-    if need is None or free_gpu_bytes is None or need <= free_gpu_bytes:
-        return
+
+
+def _gpu_too_small(need: int, free_gpu_bytes: int, est: ResourceEstimate, recipe: Recipe) -> None:
     cal = recipe.calibration
     offload = ("--offload cpu (the weights in host memory, one decoder layer on the GPU at a "
                "time), " if est.offload == "none" else "")  # fmt: skip

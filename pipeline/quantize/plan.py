@@ -105,7 +105,7 @@ def check_reloadable(modules: list[ModulePlan], model_type: str, recipe: Recipe)
             f"{model_type} is not supported by the pinned libraries: {why}",
             path=recipe.path,
             hint="quantize a Mixtral with another tool for now, or a family qship runs end "
-            "to end (README, \"Recipes\"); qship's evaluation could not measure this one",
+            'to end (README, "Recipes"); qship\'s evaluation could not measure this one',
         )
 
 
