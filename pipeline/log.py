@@ -315,16 +315,14 @@ def third_party_to(log_path: Path | None, *, verbose: bool = False) -> Iterator[
 @contextlib.contextmanager
 def traceback_to_log(expected: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """An unexpected error's traceback goes where library output goes now (inside
-    `third_party_to`: its log file), once: the exception is marked as logged. qship's own
-    errors and `expected` ones carry their message and need none."""
+    `third_party_to`: its log file), once: the exception is marked as logged. `expected`
+    ones (qship's own errors, usage errors) carry their message and need none."""
     import traceback
 
     try:
         yield
     except Exception as e:
-        from .errors import QshipError
-
-        if not isinstance(e, (QshipError, *expected)) and not getattr(e, "_qship_logged", False):
+        if not isinstance(e, expected) and not getattr(e, "_qship_logged", False):
             traceback.print_exc()
             e._qship_logged = True  # type: ignore[attr-defined]
         raise

@@ -88,7 +88,7 @@ class _Command(TyperCommand):
 
         logfile = STATE.logfile = default_log(cache_root(ctx.params.get("cache_dir")))
         with (log.third_party_to(logfile, verbose=STATE.verbose),
-              log.traceback_to_log(expected=(typer.Exit, *_usage_errors()))):  # fmt: skip
+              log.traceback_to_log(expected=(QshipError, typer.Exit, *_usage_errors()))):  # fmt: skip
             return super().invoke(ctx)
 
 

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from .. import log
+from ..errors import QshipError
 from ..records.run import RunRecord
 from .common import (
     CacheOpt,
@@ -66,7 +67,8 @@ def run_cmd(
     check_offload(offload)
     logfile = STATE.logfile = report_dir_for(check_out(out)) / "run.log"
     log.info(f"qship run {model} → {out}  (library output: {logfile})", style="bold")
-    with log.third_party_to(logfile, verbose=STATE.verbose), log.traceback_to_log():
+    with (log.third_party_to(logfile, verbose=STATE.verbose),
+          log.traceback_to_log(expected=(QshipError,))):  # fmt: skip
         return run(model, recipe, out, cache_dir=cache_root(cache_dir), publish_to=publish_to,
                    sign_key=sign_key, device=device, allow_pickle=allow_pickle,
                    require_pin=require_pin, offload=offload, gpus=gpus,
