@@ -42,11 +42,11 @@ def console() -> Console:
     return _console
 
 
-def info(text: str, style: str | None = None) -> None:
+def info(text: str | Text, style: str | None = None) -> None:
     """One line of qship's own output (stderr)."""
     global _last_line
     _last_line = time.monotonic()
-    _console.print(Text(text, style=style or ""))
+    _console.print(text if isinstance(text, Text) else Text(text, style=style or ""))
 
 
 @contextlib.contextmanager
@@ -151,12 +151,12 @@ def stage(name: str) -> Iterator[StageLine]:
         with heartbeat(name):
             yield line
     except BaseException:
-        _console.print(
+        info(
             Text.assemble(("✗ ", "red bold"), f"{name:<9} failed after {_fmt_s(line.seconds)}")
         )
         raise
     when = "cached" if line.cached else _fmt_s(line.seconds)
-    _console.print(
+    info(
         Text.assemble(
             ("✓ ", "green bold"), (f"{name:<9} ", "bold"), line.note, (f"  ({when})", "dim")
         )
