@@ -86,7 +86,7 @@ def run_lm_eval(
         try:
             rc, output = log.run_child(
                 [sys.executable, "-m", "pipeline.evaluate.benchmarks", json.dumps(spec)],
-                label=f"lm-eval {', '.join(tasks)[:60]}", env=env, cwd=tmp, timeout=timeout_s,
+                label=f"lm-eval ({len(tasks)} task(s))", env=env, cwd=tmp, timeout=timeout_s,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
             return {t: {"status": "skipped", "reason": f"timed out after {timeout_s:.0f} s"}

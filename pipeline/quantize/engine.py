@@ -254,10 +254,7 @@ def _quantize(
             rank_peak_memory=rank_peaks,
             cpu_pin_memory_patch=pin_patched,
         )
-        record.write(tmp)
-        tmp.chmod(0o755)
-        for p in tmp.iterdir():
-            p.chmod(0o644)
+        record.write(tmp)  # (modes: atomic_dir and the writers follow the umask)
     store.clear()  # the checkpoint is complete: its layers are not needed again
     log.detail(f"wrote {out_dir} ({insp.bytes / 1e6:.2f} MB) in {seconds:.1f} s")
     return record.model_copy(update={"path": out_dir})
