@@ -151,9 +151,7 @@ def stage(name: str) -> Iterator[StageLine]:
         with heartbeat(name):
             yield line
     except BaseException:
-        info(
-            Text.assemble(("✗ ", "red bold"), f"{name:<9} failed after {_fmt_s(line.seconds)}")
-        )
+        info(Text.assemble(("✗ ", "red bold"), f"{name:<9} failed after {_fmt_s(line.seconds)}"))
         raise
     when = "cached" if line.cached else _fmt_s(line.seconds)
     info(

@@ -158,6 +158,8 @@ def test_pins_hold_from_any_working_directory(gemma_snapshot, qship_test_cache, 
         byte = fh.read(1)
         fh.seek(-1, 1)
         fh.write(bytes([byte[0] ^ 0xFF]))
-    p = cli("fetch", str(tampered), *base, cwd=elsewhere)
-    assert p.returncode == INTEGRITY, p.stdout + p.stderr
-    assert "not pinned" in json.loads(p.stdout)["message"]
+    for extra in (["--require-pin"], []):  # an altered copy of a pinned file: exit 3 either way
+        args = [a for a in base if a != "--require-pin"] + extra
+        p = cli("fetch", str(tampered), *args, cwd=elsewhere)
+        assert p.returncode == INTEGRITY, p.stdout + p.stderr
+        assert "named like the pinned gemma-3-270m-q4_k_m.gguf" in json.loads(p.stdout)["message"]

@@ -266,6 +266,10 @@ def test_run_publish_outage_exits_5_and_the_same_command_then_publishes(
     assert rc == 5, err
     assert "127.0.0.1:9" in err["message"] and "without recomputing" in err["hint"]
     assert (out / "SHA256SUMS").is_file()
+    import stat
+
+    report = out.with_name("art.report")  # readable by the team (umask 022), not 0600
+    assert {stat.S_IMODE(p.stat().st_mode) for p in report.iterdir()} == {0o644}
     monkeypatch.setattr(C, "ENDPOINT", fake_hub)
     rc, rec = cli(args, capsys)
     assert rc == 0, rec

@@ -81,6 +81,26 @@ def find_by_content(checksums_dir: Path, files: dict[str, FileDigest]) -> Path |
     return None
 
 
+def refuse_altered_copy(files: dict[str, FileDigest], checksums_dir: Path, *, source: str) -> None:
+    """A single file (a GGUF) named like a pinned one but holding other bytes is an altered
+    copy of it, not a new model: exit 3, also without --require-pin."""
+    if len(files) != 1:
+        return
+    ((name, got),) = files.items()
+    for path in pinned_like(checksums_dir, "*.json"):
+        want = Manifest.load(path).files.get(name)
+        if want is not None and want != got:
+            raise IntegrityError(
+                f"{source} is named like the pinned {name} ({path.name}) but its bytes differ "
+                f"(sha256 {got.sha256[:16]}… vs {want.sha256[:16]}…, {got.size:,} vs "
+                f"{want.size:,} bytes)",
+                path=source,
+                hint="an altered or truncated copy of a pinned file: fetch it again from a "
+                "trusted source; if it is a different model on purpose, give it another name "
+                "and pin it with `qship fetch --pin`",
+            )
+
+
 def unpinned_error(source: str, manifest_path: Path) -> IntegrityError:
     return IntegrityError(
         f"{source} is not pinned: no manifest {manifest_path.name} and none in "
@@ -122,6 +142,7 @@ def verify_against_pin(
     if pin:
         atomic_write_text(manifest_path, Manifest(source, repo_id, revision, dict(files)).dumps())
         return "pinned-now", str(manifest_path)
+    refuse_altered_copy(files, manifest_path.parent, source=source)
     if require_pin:
         raise unpinned_error(source, manifest_path)
     return "unpinned", None
