@@ -13,7 +13,8 @@ A hit is verified before it is used: every entry stores the sha256 of each file 
 stage.json included (`files.sha256`, coreutils format, written just before stage.json), and
 a hit re-hashes them (streaming, io.hashing). An entry that fails -- a file altered, truncated, added or
 removed, or no digests at all (an entry of an older qship) -- is a miss: rebuilt, with a
-warning naming it; with `strict` (--require-pin) it is an integrity failure (exit 3).
+warning naming it; with `strict` (--require-pin) a digest mismatch is an integrity
+failure (exit 3).
 Stages that re-check their own files against a pin (fetch, the benchmark data) pass
 verify=False.
 """
@@ -40,6 +41,7 @@ from .hashing import format_sha256sums, hash_files, list_files, parse_sha256sums
 
 RECORD = "stage.json"
 DIGESTS = "files.sha256"
+NO_DIGESTS = "has no readable file digests (written by an older qship)"
 _VERSIONED = ("qship", "torch", "transformers", "llmcompressor", "compressed-tensors", "lm-eval")
 
 
@@ -90,7 +92,9 @@ class StageCache:
             return None  # unreadable record: treat as absent, the build replaces it
         if verify and (why := self._unverified(d)):
             where = f"{stage}/{key}"
-            if self.strict:
+            # strict: an entry that fails its digests is evidence; one written before qship
+            # recorded digests is only old, and is rebuilt like any miss
+            if self.strict and why != NO_DIGESTS:
                 raise IntegrityError(f"cache entry {where} {why}", path=str(d),
                                      hint=f"delete {d} and run again; find out who altered it")  # fmt: skip
             log.info(f"  ! cache entry {where} {why}: not used, rebuilt", style="yellow")
@@ -103,7 +107,7 @@ class StageCache:
         try:
             want = parse_sha256sums((d / DIGESTS).read_bytes(), where=str(d / DIGESTS))
         except (OSError, IntegrityError):
-            return "has no readable file digests"
+            return NO_DIGESTS
         have = set(list_files(d)) - {DIGESTS}
         if have != set(want):
             extra, gone = sorted(have - set(want)), sorted(set(want) - have)
