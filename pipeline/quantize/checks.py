@@ -30,7 +30,21 @@ def check_saved(out_dir: Path, plan: Plan) -> CheckpointInspection:
     return insp
 
 
+# what the saved files may exceed the plan's size by: headers, metadata, KV scales' rounding
+SIZE_SLACK = 0.15
+SIZE_SLACK_BYTES = 1 << 20
+
+
 def check_against_plan(insp: CheckpointInspection, plan: Plan, *, where: str) -> None:
+    want = plan.expected_checkpoint_bytes
+    if insp.bytes > want * (1 + SIZE_SLACK) + SIZE_SLACK_BYTES:
+        raise StageError(
+            f"the checkpoint is {insp.bytes / 1e6:.1f} MB, the plan predicted "
+            f"{want / 1e6:.1f} MB: something is stored that the plan did not count (a "
+            "tensor twice, an embedding untied from the head)",
+            path=where,
+            hint=HINT,
+        )
     for mp in plan.modules:
         got = insp.schemes.get(mp.name)
         if mp.scheme is None and got is not None:
