@@ -245,3 +245,15 @@ def test_identical_evaluations_write_identical_measured_files(tmp_path):
         subprocess.run([sys.executable, "-c", code, str(p)], check=True, cwd=ROOT, env=env)
         outs.append(p.read_bytes())
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_compare_runs_the_served_check_as_run_does(tmp_path, tiny_llama, capsys):
+    """compare measures each recipe through the runner's own chain (runner.measure), so a
+    recipe's served check runs there too (compare used to skip it)."""
+    recipe = small_recipe(tmp_path, {"engine": "transformers"})
+    out = tmp_path / "cmp"
+    rc, res = qship(capsys, "compare", "--model", str(tiny_llama), "--recipes", str(recipe),
+                    "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu")  # fmt: skip
+    assert rc == 0, res
+    ev = json.loads((out / "recipes" / "rtn-w4-served" / "eval.json").read_text())
+    assert ev["served"]["passed"] and ev["served"]["engine"] == "transformers"
