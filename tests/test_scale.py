@@ -343,3 +343,33 @@ def test_the_time_estimate_follows_the_method(tiny_gemma):
                  "scheme": {"bits": 4, "group_size": 32, "symmetric": False}}]})  # fmt: skip
             secs[method] = estimate(plan_for_config(config, r), config, r, device).quantize_s
         assert secs["autoround"] > secs["awq"] > secs["gptq"] > secs["rtn"], (device, secs)
+
+
+def test_gpu_memory_cap_chooses_offload_and_refuses_what_cannot_fit(tmp_path, capsys, monkeypatch):
+    """--gpu-memory: the estimate plans with the cap, not the card (an 8B-dims model on a
+    140 GB card capped at 12 GB is put in host memory by --offload auto), and a cap below
+    what one decoder layer needs exits 2 before anything is loaded, naming that need."""
+    from transformers import LlamaConfig
+
+    from pipeline.model import devices
+    from tests.cli_run import qship
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+    model = tmp_path / "llama-8b-dims"
+    cfg.save_pretrained(model)
+    recipe = str(ROOT / "recipes" / "gemma-mixed-w4.yaml")
+    monkeypatch.setattr(devices, "free_gpu_bytes", lambda d: int(140e9))
+    monkeypatch.setattr(devices, "free_cpu_bytes", lambda: int(100e9))
+    base = ["--model", str(model), "--recipe", recipe, "--device", "cuda",
+            "--cache-dir", str(tmp_path / "c")]  # fmt: skip
+    rc, free = qship(capsys, "plan", *base, "--offload", "auto")
+    rc2, capped = qship(capsys, "plan", *base, "--offload", "auto", "--gpu-memory", "12GB")
+    assert rc == rc2 == 0
+    assert free["estimate"]["offload"] == "none" and capped["estimate"]["offload"] == "cpu"
+    assert capped["estimate"]["quantize_gpu_bytes"] < 12e9
+    rc, err = qship(capsys, "run", *base, "--out", str(tmp_path / "art"), "--gpu-memory", "1GiB")
+    assert rc == 2 and "GB of GPU memory" in err["message"] and "1.1 GB are free" in err["message"]
+    assert not (tmp_path / "c" / "fetch").exists()
+    rc, err = qship(capsys, "plan", *base, "--gpu-memory", "lots")
+    assert rc == 2 and err["path"] == "--gpu-memory"

@@ -85,7 +85,31 @@ TorchrunOpt = Annotated[
         '--rdzv-endpoint HOST:29500" (every node runs the same qship run).',
     ),
 ]
-OFFLOAD_CHOICES = ("auto", *OFFLOAD_MODES)  # auto: chosen by the resource estimate
+GpuMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu-memory",
+        help="Use at most this much GPU memory, e.g. 12GB or 40GiB: the estimate plans with "
+        "it (--offload auto then chooses by it) and the process is held to it.",
+    ),
+]
+OFFLOAD_CHOICES = ("auto", *OFFLOAD_MODES)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str | None, *, option: str = "--gpu-memory") -> int | None:
+    """'12GB' / '40GiB' / '1.5e10' -> bytes (None stays None); exit 2 on anything else."""
+    import re
+
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise UsageError(f"{option} {text!r} is not a size", path=option,
+                         hint="write it as 12GB, 40GiB or a number of bytes")  # fmt: skip
+    return int(float(m.group(1)) * _UNITS[unit])  # auto: chosen by the resource estimate
 
 
 def check_offload(offload: str, *, auto: bool = True) -> str:

@@ -14,11 +14,13 @@ from .common import (
     STATE,
     CacheOpt,
     DeviceOpt,
+    GpuMemoryOpt,
     JsonOpt,
     OffloadOpt,
     VerboseOpt,
     cache_root,
     check_offload,
+    parse_size,
 )
 
 
@@ -29,6 +31,7 @@ def plan_cmd(
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
     device: DeviceOpt = None,
     offload: OffloadOpt = "none",
+    gpu_memory: GpuMemoryOpt = None,
     table: Annotated[
         bool, typer.Option("--table", help="Also list every Linear module (as -v does).")
     ] = False,
@@ -40,7 +43,7 @@ def plan_cmd(
     scheme and module count, the KV cache, the size, the resource estimate, the fused sets
     and warnings; --table (or -v) adds every Linear module's line."""
     from ..fetch import read_config
-    from ..model.devices import default_device, free_cpu_bytes, free_gpu_bytes
+    from ..model.devices import default_device, free_cpu_bytes, usable_gpu_bytes
     from ..quantize import plan_for_config
     from ..quantize.estimate import choose
     from ..recipe import load_recipe
@@ -49,7 +52,8 @@ def plan_cmd(
     config = read_config(model, cache_dir=cache_root(cache_dir))
     plan = plan_for_config(config, r)
     est = choose(plan, config, r, device or default_device(), offload=check_offload(offload),
-                 free_gpu_bytes=free_gpu_bytes(device), free_cpu_bytes=free_cpu_bytes())  # fmt: skip
+                 free_gpu_bytes=usable_gpu_bytes(device, parse_size(gpu_memory)),
+                 free_cpu_bytes=free_cpu_bytes())  # fmt: skip
     plan = plan.model_copy(update={"estimate": est})
     if not (as_json or STATE.as_json):
         if table or STATE.verbose:

@@ -15,6 +15,7 @@ from .common import (
     CacheOpt,
     ChecksumsOpt,
     DeviceOpt,
+    GpuMemoryOpt,
     GpusOpt,
     JsonOpt,
     OffloadOpt,
@@ -23,6 +24,7 @@ from .common import (
     VerboseOpt,
     cache_root,
     check_offload,
+    parse_size,
 )
 
 
@@ -52,6 +54,7 @@ def run_cmd(
     ] = False,
     require_pin: RequirePinOpt = False,
     offload: OffloadOpt = "auto",
+    gpu_memory: GpuMemoryOpt = None,
     gpus: GpusOpt = 0,
     torchrun_args: TorchrunOpt = "",
     checksums: ChecksumsOpt = None,
@@ -73,4 +76,5 @@ def run_cmd(
                    sign_key=sign_key, device=device, allow_pickle=allow_pickle,
                    require_pin=require_pin, offload=offload, gpus=gpus,
                    torchrun_args=tuple(shlex.split(torchrun_args)),
+                   gpu_memory=parse_size(gpu_memory),
                    checksums_dir=checksums)  # fmt: skip

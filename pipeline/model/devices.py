@@ -63,6 +63,28 @@ def free_gpu_bytes(device: str | None) -> int | None:
     return int(free)
 
 
+def usable_gpu_bytes(device: str | None, cap: int | None) -> int | None:
+    """The GPU memory a run may plan with: what is free, at most `cap` (--gpu-memory); with
+    a cap and no CUDA here (planning on paper) the cap itself."""
+    free = free_gpu_bytes(device)
+    if cap is None or not (device or default_device()).startswith("cuda"):
+        return free
+    return cap if free is None else min(free, cap)
+
+
+def apply_gpu_cap(device: str | None, cap: int | None) -> None:
+    """Hold this process to `cap` bytes of the GPU (torch's per-process memory fraction):
+    an allocation beyond it fails as if the card were that small."""
+    import torch
+
+    device = device or default_device()
+    if cap is None or not device.startswith("cuda") or not torch.cuda.is_available():
+        return
+    dev = torch.device(device)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dev)
+
+
 def free_cpu_bytes() -> int:
     """Host memory available to a new allocation (psutil's `available`)."""
     import psutil

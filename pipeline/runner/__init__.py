@@ -161,29 +161,33 @@ def run(
     offload: str = "auto",
     gpus: int = 0,
     torchrun_args: tuple[str, ...] = (),
+    gpu_memory: int | None = None,
 ) -> RunRecord:
     """recipe → fetch → tokens → quantize → evaluate → gate → package (→ publish).
     Raises GateFailed (4) when the gate fails; every error carries the RunRecord."""
     out = check_out(out)
     recipe = load_recipe(recipe_path)
+    if gpu_memory is not None and gpus:
+        raise UsageError("--gpu-memory holds this process, not torchrun's ranks", path="--gpus",
+                         hint="drop one of --gpu-memory and --gpus")  # fmt: skip
     with out_lock(out, cache_dir):
         return _locked_run(model, recipe_path, recipe, out, cache_dir=cache_dir,
                            publish_to=publish_to, sign_key=sign_key, device=device,
                            allow_pickle=allow_pickle, checksums_dir=checksums_dir,
                            require_pin=require_pin, offload=offload, gpus=gpus,
-                           torchrun_args=torchrun_args)  # fmt: skip
+                           torchrun_args=torchrun_args, gpu_memory=gpu_memory)  # fmt: skip
 
 
 def _locked_run(
     model: str, recipe_path: Path, recipe: Recipe, out: Path, *, cache_dir: Path,
     publish_to: str | None, sign_key: Path | None, device: str | None, allow_pickle: bool,
     checksums_dir: Path | None, require_pin: bool, offload: str, gpus: int,
-    torchrun_args: tuple[str, ...],
+    torchrun_args: tuple[str, ...], gpu_memory: int | None,
 ) -> RunRecord:  # fmt: skip
     prior = existing_artifact(out, recipe)
     ctx = Context(Path(cache_dir), device=device, checksums_dir=pin_folder(checksums_dir),
                   require_pin=require_pin, offload=offload, gpus=gpus,
-                  torchrun_args=torchrun_args)  # fmt: skip
+                  torchrun_args=torchrun_args, gpu_memory=gpu_memory)  # fmt: skip
     reports = report_dir_for(out)
     rec = RunRecord(model=model, recipe=str(recipe_path), recipe_name=recipe.name,
                     report_dir=reports)  # fmt: skip

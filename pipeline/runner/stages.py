@@ -49,6 +49,7 @@ class Context:
     gpus: int = 0  # >0: quantize under torchrun with this many processes (--gpus)
     torchrun_args: tuple[str, ...] = ()  # rendezvous flags for several nodes
     exact_kl: bool = False  # evaluate with the full-vocabulary KL (lockstep; no served check)
+    gpu_memory: int | None = None  # --gpu-memory: the GPU bytes this run may use
     rows: list[StageRow] = field(default_factory=list)
 
     @property
@@ -78,20 +79,21 @@ class Context:
 def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = True) -> Plan:
     """The recipe against the model's config, before any weight is fetched (exit 2)."""
     from ..fetch import read_config
-    from ..model.devices import default_device, free_cpu_bytes, free_gpu_bytes
+    from ..model.devices import apply_gpu_cap, default_device, free_cpu_bytes, usable_gpu_bytes
     from ..quantize import plan_for_config
     from ..quantize.estimate import choose, require_fit
 
     with ctx.stage("recipe") as line:
         config = read_config(model, cache_dir=ctx.cache_dir)
         plan = plan_for_config(config, recipe)
-        free = free_gpu_bytes(ctx.device)
+        free = usable_gpu_bytes(ctx.device, ctx.gpu_memory)
         est = choose(plan, config, recipe, ctx.device or default_device(), offload=ctx.offload,
                      free_gpu_bytes=free, free_cpu_bytes=free_cpu_bytes())  # fmt: skip
         ctx.cache_dir.mkdir(parents=True, exist_ok=True)
         require_fit(est, free_gpu_bytes=free, recipe=recipe, free_cpu_bytes=free_cpu_bytes(),
                     free_disk_bytes=shutil.disk_usage(ctx.cache_dir).free)  # fmt: skip
         ctx.offload = est.offload
+        apply_gpu_cap(ctx.device, ctx.gpu_memory)  # quantize and evaluate run under the cap
         plan = plan.model_copy(update={"estimate": est})
         line.note = f"{recipe.name} fits {plan.architecture} ({recipe.path})"
     if show_plan:
