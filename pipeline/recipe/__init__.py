@@ -1,0 +1,28 @@
+"""Recipes: the schema (schema.py: one YAML file = one quantization plan, its calibration,
+evaluation and gates) and reading one (loading.py: find, parse, and name the field and the
+fix when it is wrong)."""
+
+from .loading import SHIPPED_RECIPES, find_recipe, load_recipe, parse_recipe
+from .schema import (
+    CALIBRATED_METHODS,
+    GPU_METHODS,
+    CalibrationConfig,
+    DType,
+    EvaluationConfig,
+    Gates,
+    Group,
+    KVCache,
+    Method,
+    Options,
+    Recipe,
+    Role,
+    Scheme,
+    ServeGate,
+    TaskGate,
+)
+
+__all__ = [
+    "CALIBRATED_METHODS", "GPU_METHODS", "SHIPPED_RECIPES", "CalibrationConfig",
+    "DType", "EvaluationConfig", "Gates", "Group", "KVCache", "Method", "Options", "Recipe",
+    "Role", "Scheme", "ServeGate", "TaskGate", "find_recipe", "load_recipe", "parse_recipe",
+]  # fmt: skip
