@@ -32,6 +32,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..io.atomic import atomic_dir, remove_stale_partials
 from ..io.hashing import format_sha256sums, hash_files
+from ..model.checkpoint import text_config
 from ..model.files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_KEYS
 from ..recipe import Recipe
 from ..records.artifact import Artifact
@@ -130,7 +131,7 @@ def package(
         (tmp / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
 
         t = time.perf_counter()
-        vocab = (config.get("text_config") or config).get("vocab_size")
+        vocab = text_config(config).get("vocab_size")
         fp = None
         if probe:
             fp = fingerprint(tmp, probe_ids(model_dir, vocab if isinstance(vocab, int) else None))

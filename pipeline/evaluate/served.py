@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from .. import log
 from ..errors import IntegrityError
 from ..io.hashing import sha256_file
+from ..model.checkpoint import text_config
 from ..recipe import ServeGate
 from ..records.served import KLFigures, MeasuredInfo, ServedCheck
 from .kl_stats import CHUNK, LOG_FLOOR, _tail_logmass
@@ -246,5 +247,5 @@ def _vocab_size(model_dir: Path) -> int | None:
         cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    v = text_config(cfg).get("vocab_size")
     return int(v) if isinstance(v, int) else None

@@ -65,7 +65,7 @@ def fetch(
                           require_pin=require_pin)  # fmt: skip
     snap = _pin_by_content(snap, checksums_dir, require_pin)
     if any(Path(snap.path).glob("*.safetensors")):
-        from ..model.checkpoint import check_source_weights
+        from ..model.config_check import check_source_weights
 
         check_source_weights(Path(snap.path))  # config.json vs the headers: exit 3
     return snap
@@ -94,7 +94,7 @@ def read_config(source: str | Path, *, cache_dir: Path) -> Any:
     config.json, the Hub's config.json at the revision, a GGUF's metadata."""
     from transformers import AutoConfig
 
-    from ..model.checkpoint import check_config_bounds, check_source_weights
+    from ..model.config_check import check_config_bounds, check_source_weights
 
     src = parse_source(source)
     try:

@@ -80,9 +80,9 @@ def inspect_checkpoint(
     config = read_json_object(root / "config.json", p, "config.json")
     p.raise_if_any("config check")
     assert config is not None
-    headers = _read_headers(root, p)
+    headers = read_headers(root, p)
     p.raise_if_any("safetensors header check")
-    tensors = _tensors(root, headers, p)
+    tensors = stored_tensors(root, headers, p)
     p.raise_if_any("safetensors index check")
     # a family saved in its Hub layout (Mixtral) is checked under the model's own names
     to_module = saved_name_to_module(text_config(config).get("model_type"))
@@ -111,7 +111,7 @@ def inspect_checkpoint(
 # ------------------------------------------------------------------ files
 
 
-def _read_headers(root: Path, p: Problems) -> dict[str, Header]:
+def read_headers(root: Path, p: Problems) -> dict[str, Header]:
     headers: dict[str, Header] = {}
     # the weights are the top-level shards, as transformers and vLLM load them (an
     # artifact's qship/measured.safetensors is data beside them, covered by SHA256SUMS)
@@ -125,7 +125,7 @@ def _read_headers(root: Path, p: Problems) -> dict[str, Header]:
     return headers
 
 
-def _tensors(root: Path, headers: dict[str, Header], p: Problems) -> Tensors:
+def stored_tensors(root: Path, headers: dict[str, Header], p: Problems) -> Tensors:
     owner: dict[str, str] = {}
     for rel, h in headers.items():
         for name in h.tensors:
@@ -172,7 +172,7 @@ def _dims_note(shape: tuple[int, ...], cfg: dict) -> str:
 def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems):
     import torch
 
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    cfg = text_config(config)
     dt = DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or config.get("dtype")))
     groups = qc.get("config_groups") or {}
     ignore = [x for x in (qc.get("ignore") or []) if isinstance(x, str)]
@@ -260,7 +260,7 @@ def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems
     for msg in split_fused(schemes):  # a checkpoint written elsewhere, or before the rule
         p.add("config.json", msg)
     _check_scale_values(root, tensors, headers, p)
-    _check_layers(cfg, tensors, p)
+    check_layers(cfg, tensors, p)
     for name in sorted(set(tensors) - expected):
         p.add(tensors[name][0], f"{name}: not a tensor of {type(model).__name__}")
     return schemes, kv
@@ -284,7 +284,7 @@ def _scheme(w: dict) -> ModuleScheme:
     )
 
 
-def _check_layers(cfg: dict, tensors: Tensors, p: Problems) -> None:
+def check_layers(cfg: dict, tensors: Tensors, p: Problems) -> None:
     layers = cfg.get("num_hidden_layers")
     ids = {int(m.group(1)) for n in tensors if (m := re.search(r"\.layers\.(\d+)\.", n))}
     if isinstance(layers, int) and ids and max(ids) + 1 != layers:
@@ -384,62 +384,7 @@ def _check_packed(root, module, w, tensors: Tensors, headers, expected) -> list[
     return errs
 
 
-# ------------------------------------------------------------------ a source's config
-
-
-# Far above any causal LM there is (the largest vocabularies are ~260k, the deepest models
-# ~120 layers): a config beyond these describes no real model and would make transformers
-# build an absurd meta model for minutes or hours before anything else fails.
-CONFIG_BOUNDS = {"num_hidden_layers": 1024, "vocab_size": 4_194_304, "hidden_size": 131_072,
-                 "intermediate_size": 1_048_576, "num_attention_heads": 4096,
-                 "num_experts": 16_384, "num_local_experts": 16_384}  # fmt: skip
-
-
 def text_config(config: dict) -> dict:
     """The decoder's part of a config.json (multimodal configs nest it)."""
     inner = config.get("text_config")
     return inner if isinstance(inner, dict) else config
-
-
-def check_config_bounds(config: dict, *, where: str) -> None:
-    """Exit 3 for a config.json that describes no real model (CONFIG_BOUNDS)."""
-    cfg = text_config(config)
-    bad = [f"{k} {cfg[k]:,} (at most {limit:,})" for k, limit in CONFIG_BOUNDS.items()
-           if isinstance(cfg.get(k), int) and not 0 < cfg[k] <= limit]  # fmt: skip
-    if bad:
-        raise IntegrityError(
-            "config.json describes no real model: " + "; ".join(bad),
-            path=where,
-            hint="the model's config.json is corrupt or hostile; fetch it again from a "
-            "trusted source",
-        )
-
-
-def check_source_weights(root: Path) -> None:
-    """An unquantized checkpoint's config.json against its safetensors headers, before any
-    model is built from it: the decoder layers stored, the embedding's (vocab_size,
-    hidden_size) and a dense MLP's intermediate_size. Any disagreement is exit 3."""
-    root = Path(root)
-    p = Problems(root, hint="config.json does not describe these weights: the checkpoint "
-                 "is corrupt or altered; fetch it again from a trusted source")  # fmt: skip
-    config = read_json_object(root / "config.json", p, "config.json")
-    p.raise_if_any("config check")
-    assert config is not None
-    check_config_bounds(config, where=str(root / "config.json"))
-    headers = _read_headers(root, p)
-    p.raise_if_any("safetensors header check")
-    tensors = _tensors(root, headers, p)
-    p.raise_if_any("safetensors index check")
-    cfg = text_config(config)
-    _check_layers(cfg, tensors, p)
-    vocab, hidden, inter = (cfg.get(k) for k in ("vocab_size", "hidden_size", "intermediate_size"))
-    for name, (rel, info) in sorted(tensors.items()):
-        if name.endswith("embed_tokens.weight") and isinstance(vocab, int) \
-                and isinstance(hidden, int) and tuple(info.shape) != (vocab, hidden):  # fmt: skip
-            p.add(rel, f"{name} is {tuple(info.shape)}, config.json says (vocab_size {vocab}, "
-                       f"hidden_size {hidden})")  # fmt: skip
-        if re.search(r"\.mlp\.(gate|up)_proj\.weight$", name) and isinstance(inter, int) \
-                and info.shape and info.shape[0] != inter:  # fmt: skip
-            p.add(rel, f"{name} has {info.shape[0]} rows, config.json says intermediate_size "
-                       f"{inter}")  # fmt: skip
-    p.raise_if_any("weights vs config.json check")
