@@ -93,7 +93,7 @@ GpuMemoryOpt = Annotated[
         "it (--offload auto then chooses by it) and the process is held to it.",
     ),
 ]
-OFFLOAD_CHOICES = ("auto", *OFFLOAD_MODES)
+OFFLOAD_CHOICES = ("auto", *OFFLOAD_MODES)  # auto: chosen by the resource estimate
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
@@ -109,7 +109,7 @@ def parse_size(text: str | None, *, option: str = "--gpu-memory") -> int | None:
     if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
         raise UsageError(f"{option} {text!r} is not a size", path=option,
                          hint="write it as 12GB, 40GiB or a number of bytes")  # fmt: skip
-    return int(float(m.group(1)) * _UNITS[unit])  # auto: chosen by the resource estimate
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def check_offload(offload: str, *, auto: bool = True) -> str:

@@ -4,10 +4,11 @@ compressed-tensors' hooks round K and V through FP8 e4m3 with the stored scales.
 CUDA, serving the same checkpoint with its FP8 KV cache, also rounds the *query* to FP8
 (per tensor, with the layer's q_scale: 1.0 when the checkpoint stores none; vllm
 model_executor/layers/attention `query_quant`) so that FlashAttention 3 multiplies FP8 by
-FP8. Measured on two tiny trained models served by vLLM 0.26 on an H200, leaving that rounding out made the
-served KL 15-18 % worse than qship's figure. `served_attention(model, "vllm")` wraps the
-model's attention function so that each KV-hooked attention module whose KV rounding is
-on also rounds its query; with the rounding off (the weights-only pass) it does nothing.
+FP8. Measured on two tiny trained models served by vLLM 0.26 on an H200, leaving that
+rounding out made the served KL 15-18 % worse than qship's figure.
+`served_attention(model, "vllm")` wraps the model's attention function so that each
+KV-hooked attention module whose KV rounding is on also rounds its query; with the
+rounding off (the weights-only pass) it does nothing.
 """
 
 from __future__ import annotations

@@ -11,12 +11,11 @@ kernel when the holder dies), the other waits and then takes the finished entry.
 
 A hit is verified before it is used: every entry stores the sha256 of each file it wrote,
 stage.json included (`files.sha256`, coreutils format, written just before stage.json), and
-a hit re-hashes them (streaming, io.hashing). An entry that fails -- a file altered, truncated, added or
-removed, or no digests at all (an entry of an older qship) -- is a miss: rebuilt, with a
-warning naming it; with `strict` (--require-pin) a digest mismatch is an integrity
-failure (exit 3).
-Stages that re-check their own files against a pin (fetch, the benchmark data) pass
-verify=False.
+a hit re-hashes them (streaming, io.hashing). An entry that fails -- a file altered,
+truncated, added or removed, or no digests at all (an entry of an older qship) -- is a
+miss: rebuilt, with a warning naming it; with `strict` (--require-pin) a digest mismatch is
+an integrity failure (exit 3). Stages that re-check their own files against a pin (fetch,
+the benchmark data) pass verify=False.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def checksums_dir(explicit: Path | None = None) -> Path:
 def search_dirs(first: Path) -> list[Path]:
     """Where pins are looked up, in order: the pin folder, then the shipped manifests."""
     dirs = [Path(first)]
-    if not Path(first).resolve() == SHIPPED:
+    if Path(first).resolve() != SHIPPED:
         dirs.append(SHIPPED)
     return [d for d in dirs if d.is_dir()]
 
