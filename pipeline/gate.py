@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from .errors import GateFailed
-from .recipe import Gates
+from .recipe import Gates, SpeedGates
 from .records.evaluation import EvalReport, Metrics
+from .records.perf import ServedPerf
 from .records.verdict import Check, Verdict
 
 Op = Literal["<=", ">="]
@@ -34,7 +35,7 @@ def _ok(value: Any, op: Op, limit: float) -> bool:
     return value <= limit if op == "<=" else value >= limit
 
 
-def check(report: EvalReport, gates: Gates) -> Verdict:
+def check(report: EvalReport, gates: Gates, speed: SpeedGates | None = None) -> Verdict:
     checks: list[Check] = []
     for name, (read, op, where) in METRIC_GATES.items():
         limit = getattr(gates, name)
@@ -74,6 +75,8 @@ def check(report: EvalReport, gates: Gates) -> Verdict:
             )
     if report.served is not None:
         checks += served_checks(report)
+    if speed is not None and (speed.min_speedup or speed.max_ttft_ms):
+        checks += speed_checks(report.served_perf, speed)
     return Verdict(passed=all(c.passed for c in checks), checks=checks)
 
 
@@ -94,6 +97,23 @@ def served_checks(report: EvalReport) -> list[Check]:
         for n, v, op, limit in rows
         if limit is not None
     ]
+
+
+def speed_checks(perf: ServedPerf | None, speed: SpeedGates) -> list[Check]:
+    """serve.gates: the candidate's speed-up over the reference of the same run, and its
+    p99 time to first token, per workload. Not measured = failed (fail closed)."""
+    rows = perf.by_name() if perf is not None else {}
+    out = []
+    for field, op in (("min_speedup", ">="), ("max_ttft_ms", "<=")):
+        for wl, limit in sorted(getattr(speed, field).items()):
+            w = rows.get(wl)
+            value = None if w is None else (
+                w.speedup if field == "min_speedup" else w.candidate.ttft_p99_ms)  # fmt: skip
+            note = ("served performance was not measured (--perf, vLLM)" if w is None else
+                    f"{perf.gpu}, {perf.engine}" if perf else None)  # fmt: skip
+            out.append(Check(name=f"serve.{field}.{wl}", value=value, limit=float(limit),
+                             op=op, passed=_ok(value, op, float(limit)), note=note))  # type: ignore[arg-type]  # fmt: skip
+    return out
 
 
 def require_pass(verdict: Verdict, *, where: str, result: Any = None) -> None:

@@ -15,7 +15,7 @@ def small_recipe(dest_dir: Path, base: str, samples: int = 8) -> Path:
     d = yaml.safe_load((ROOT / "recipes" / f"{base}.yaml").read_text())
     d["name"] = f"{base}-small"
     d["kv_cache"] = None
-    d["calibration"].update(num_samples=samples, seq_len=128, batch_size=samples)
+    d.setdefault("calibration", {}).update(num_samples=samples, seq_len=128, batch_size=samples)
     d["evaluation"].update(sequences=8, seq_len=128, tasks=[], hub_tasks=[])
     d["gates"] = {"kl_mean_max": 10.0}
     p = Path(dest_dir) / f"{base}-small.yaml"

@@ -25,6 +25,10 @@ def _expect_group(name: str) -> str:
     return "head"
 
 
+# an integer weight scheme with groups and 16-bit activations (W4A16)
+INT_GROUP = {"type": "int", "strategy": "group", "block": None, "activations": None}
+
+
 @pytest.mark.parametrize("model", ["tiny_gemma", "tiny_llama"])
 def test_mixed_plan_assigns_every_linear(model, request):
     plan = plan_for_dir(request.getfixturevalue(model), load_recipe(R / "gemma-mixed-w4.yaml"))
@@ -37,6 +41,7 @@ def test_mixed_plan_assigns_every_linear(model, request):
                 "symmetric": False,
                 "group_size": 128,
                 "observer": None,
+                **INT_GROUP,
             }
         elif m.group == "mlp":
             assert m.method == "gptq" and m.scheme.to_json() == {
@@ -44,6 +49,7 @@ def test_mixed_plan_assigns_every_linear(model, request):
                 "symmetric": True,
                 "group_size": 128,
                 "observer": None,
+                **INT_GROUP,
             }
         else:
             assert m.name == "lm_head" and m.method == "none" and m.scheme is None

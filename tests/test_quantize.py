@@ -104,16 +104,23 @@ def _config_schemes(out: Path) -> dict[str, dict | None]:
                     else (t == name or t == type(mod).__name__)
                 )
                 if ok and name not in (qc.get("ignore") or []):
-                    hits.append(g["weights"])
+                    hits.append(g)
                     break
         assert len(hits) <= 1, f"{name} in {len(hits)} config groups"
         if hits:
-            w = hits[0]
+            w, a = hits[0]["weights"], hits[0].get("input_activations")
             res[name] = {
                 "bits": w["num_bits"],
                 "symmetric": w["symmetric"],
                 "group_size": w["group_size"] if w["strategy"] == "group" else None,
-            }
+                "type": w["type"],
+                "strategy": w["strategy"],
+                "block": w["block_structure"],
+                "activations": a and {
+                    "type": a["type"], "bits": a["num_bits"], "strategy": a["strategy"],
+                    "dynamic": a["dynamic"], "group_size": a["group_size"],
+                },
+            }  # fmt: skip
         else:
             res[name] = None
     return res

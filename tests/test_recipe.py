@@ -29,6 +29,10 @@ EXPECTED = {
     "w8-int8",
     "gptq-w4a-mse",
     "autoround-w4a",
+    "fp8-dynamic",
+    "fp8-block",
+    "w8a8-int8-sq",
+    "w4a8-fp8",
 }
 
 

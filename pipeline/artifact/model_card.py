@@ -100,6 +100,9 @@ def quant_tags(quantization_config: dict[str, Any]) -> list[str]:
             tags.add(f"int{w['num_bits']}")
         if w.get("type") == "float" and w.get("num_bits") == 8:
             tags.add("fp8")
+        a = (g or {}).get("input_activations") or {}
+        if a.get("num_bits") == 8:
+            tags.add("w8a8" if w.get("num_bits") == 8 else f"w{w.get('num_bits')}a8")
     if quantization_config.get("kv_cache_scheme"):
         tags.add("fp8-kv-cache")
     return sorted(tags)
@@ -204,6 +207,7 @@ def render(
         "",
         *(_vllm_use(kv is not None)),
         *_served(evaluation),
+        *_perf(evaluation),
         "## Integrity",
         "",
         "Every file is listed in `SHA256SUMS` (`sha256sum -c SHA256SUMS`); `qship verify .` "
@@ -239,6 +243,33 @@ def _vllm_use(fp8_kv: bool) -> list[str]:
             'llm = LLM(model="PATH_OR_REPO")  # kv_cache_dtype="auto"',
             'print(llm.generate(["Hello"], SamplingParams(max_tokens=32))[0].outputs[0].text)',
             "```", ""]  # fmt: skip
+
+
+def _perf(ev: EvalFile) -> list[str]:
+    p = ev.served_perf
+    if p is None:
+        return []
+    out = [f"## Served speed ({p.engine}, {p.gpu})", "",
+           "Measured with vLLM's own benchmark (`vllm bench serve`, random prompts, EOS "
+           "ignored), the 16-bit reference in the same run on the same GPU; medians of "
+           f"{len(p.workloads[0].candidate.repeats) if p.workloads else 0} repeats.", "",
+           "| workload | prompt → output, streams | tokens/s (ref) | speed-up | TTFT p50 / p99 ms "
+           "| TPOT p50 ms |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for w in p.workloads:
+        c, r = w.candidate, w.reference
+        out.append(f"| {w.name} | {w.prompt_len} → {w.output_len}, {w.concurrency} | "
+                   f"{c.output_tok_s:.0f} ({r.output_tok_s:.0f}) | {w.speedup:.2f}x | "
+                   f"{c.ttft_p50_ms:.1f} / {c.ttft_p99_ms:.1f} | {c.tpot_p50_ms:.2f} |")  # fmt: skip
+    cc, rc = p.candidate, p.reference
+    if cc.weights_gib is not None and rc.weights_gib is not None:
+        out += ["", f"Weights on the GPU: {cc.weights_gib:.2f} GiB (16-bit: {rc.weights_gib:.2f}); "
+                f"KV-cache capacity {cc.kv_cache_tokens or 0:,} tokens (16-bit: "
+                f"{rc.kv_cache_tokens or 0:,}) at gpu_memory_utilization "
+                f"{p.gpu_memory_utilization}."]  # fmt: skip
+    if cc.kernels:
+        out += ["", "Kernels: " + "; ".join(f"{k} for {s}" for s, k in sorted(cc.kernels.items()))
+                + "."]  # fmt: skip
+    return [*out, ""]
 
 
 def _served(ev: EvalFile) -> list[str]:

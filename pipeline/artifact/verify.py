@@ -118,15 +118,20 @@ def read_eval(root: Path) -> EvalFile:
     return EvalFile.from_json(data, where=str(root / "eval.json"), error=IntegrityError)
 
 
+def read_provenance(root: Path) -> Provenance:
+    """The artifact's provenance.json as a record (IntegrityError when it is not one)."""
+    p = Problems(root, hint=HINT)
+    data = read_json_object(root / "provenance.json", p, "provenance.json")
+    p.raise_if_any("record check")
+    return Provenance.from_json(data, where=str(root / "provenance.json"), error=IntegrityError)
+
+
 def check_records(root: Path, checks: list[str]) -> EvalFile:
     """eval.json is an EvalFile with a verdict; provenance.json a Provenance."""
     ev = read_eval(root)
     if ev.verdict is None:
         raise IntegrityError("eval.json has no verdict", path=str(root / "eval.json"), hint=HINT)
-    p = Problems(root, hint=HINT)
-    prov = read_json_object(root / "provenance.json", p, "provenance.json")
-    p.raise_if_any("record check")
-    Provenance.from_json(prov, where=str(root / "provenance.json"), error=IntegrityError)
+    read_provenance(root)
     checks.append(f"eval.json verdict: {'passed' if ev.verdict.passed else 'FAILED'}")
     return ev
 

@@ -100,19 +100,85 @@ def verify_cmd(
             "(default: the recipe's serve.kv_cache_dtype, else auto).",
         ),
     ] = None,  # fmt: skip
+    perf: Annotated[
+        bool,
+        typer.Option(
+            "--perf",
+            help="With --serve vllm: also measure served speed and memory with vLLM's own "
+            "benchmark on the recipe's serve.workloads, beside the 16-bit --reference "
+            "(exit 4 below the recipe's serve.gates).",
+        ),
+    ] = False,
+    reference: Annotated[
+        Path | None,
+        typer.Option(
+            "--reference",
+            help="The 16-bit model this artifact was made from "
+            "(a folder; held against the artifact's provenance), for --perf.",
+        ),
+    ] = None,  # fmt: skip
+    raw_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--perf-raw",
+            help="Keep each benchmark pass's raw JSON and the "
+            "server logs here, written as they complete.",
+        ),
+    ] = None,  # fmt: skip
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> VerifyReport:
     """The pre-deploy gate: checksums, file set, records, weights vs config, signature;
-    with --serve, the served model against the measured one."""
+    with --serve, the served model against the measured one; with --perf, what it buys in
+    served speed and memory."""
     from ..artifact.verify import verify
 
+    if perf and (serve != "vllm" or reference is None):
+        raise UsageError("--perf needs --serve vllm and --reference MODEL_DIR", path="--perf",
+                         hint="pass the 16-bit model the artifact was quantized from")  # fmt: skip
     report = verify(artifact, require_signature=require_signature, pubkey=pubkey, load=load,
                     atol=atol)  # fmt: skip
     if serve is None:
         return report
-    return _serve_check(artifact, report, serve, serve_kv, device)
+    report = _serve_check(artifact, report, serve, serve_kv, device)
+    if perf:
+        assert reference is not None
+        report = _perf(artifact, report, reference, raw_dir)
+    return report
+
+
+def _perf(artifact: Path, report: VerifyReport, reference: Path, raw: Path | None) -> VerifyReport:
+    """Served speed beside the reference; exit 4 below the recipe's serve.gates."""
+    from .. import gate
+    from ..artifact.verify import read_provenance
+    from ..errors import GateFailed
+    from ..evaluate import perf
+    from ..evaluate.engine import model_ref
+    from ..recipe import ServeGate, load_recipe
+
+    sg = load_recipe(artifact / "recipe.yaml").serve or ServeGate()
+    src = read_provenance(artifact).source
+    ref_hash = model_ref(reference).model_hash
+    if src is not None and src.model_hash != ref_hash:
+        raise UsageError(f"{reference} is not the model this artifact was quantized from "
+                         f"(model hash {ref_hash[:12]}, provenance {src.model_hash[:12]})",
+                         path="--reference", hint="pass the source model's folder (as "
+                         "`qship fetch` wrote it)")  # fmt: skip
+    res = perf.measure(artifact, reference, sg, perf.runner_for("vllm")(), raw_dir=raw)
+    report = report.model_copy(update={"served_perf": res})
+    checks = gate.speed_checks(res, sg.gates)
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        raise GateFailed(
+            "served speed below the recipe's serve.gates: "
+            + "; ".join(f"{c.name} = {c.value:.3g} (limit {c.op} {c.limit:.3g})" for c in failed),
+            path=str(artifact / "recipe.yaml"),
+            hint="a faster format for this workload (see `qship compare --serve vllm`), or "
+            "relax serve.gates",
+            result=report,
+        )
+    return report
 
 
 def _serve_check(

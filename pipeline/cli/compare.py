@@ -30,6 +30,21 @@ def compare_cmd(
     exact: Annotated[
         bool, typer.Option("--exact/--cached", help="Full-vocabulary KL (slower) or top-k + tail.")
     ] = False,
+    serve: Annotated[
+        str | None,
+        typer.Option(
+            "--serve",
+            help="vllm: also serve each recipe (the served check) and "
+            "measure its served speed and memory beside the 16-bit model with "
+            "vLLM's benchmark, on the recipe's serve.workloads or the defaults.",
+        ),
+    ] = None,  # fmt: skip
+    perf_raw: Annotated[
+        Path | None,
+        typer.Option(
+            "--perf-raw", help="Keep each benchmark pass's raw JSON here (default: OUT/perf-raw)."
+        ),
+    ] = None,  # fmt: skip
     device: DeviceOpt = None,
     checksums: ChecksumsOpt = None,
     cache_dir: CacheOpt = None,
@@ -47,8 +62,12 @@ def compare_cmd(
         if not model:
             raise UsageError("--model is required (or use --matrix / --collect)", path="--model")
         paths = cmp.recipe_paths((recipes or []) + (items or []))
+        if serve not in (None, "vllm"):
+            raise UsageError(f"--serve {serve}: served speed is measured with vllm",
+                             path="--serve", hint="use --serve vllm")  # fmt: skip
         res = cmp.compare(model, paths, out, cache_dir=cache_root(cache_dir), device=device,
-                          exact=exact, checksums_dir=checksums)  # fmt: skip
+                          exact=exact, checksums_dir=checksums, serve=serve,
+                          perf_raw=perf_raw)  # fmt: skip
     return res.require_pass()
 
 

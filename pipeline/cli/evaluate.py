@@ -81,7 +81,7 @@ def evaluate_cmd(
                           cache_dir=root, options=opts, data_dir=data, overlap=ov,
                           corpus=ts.info)  # fmt: skip
         line.note = report.summary()
-    verdict = gate.check(report, r.gates)
+    verdict = gate.check(report, r.gates, r.serve.gates if r.serve else None)
     qc = QuantizedCheckpoint.read(candidate)  # present when `qship quantize` wrote it
     result = EvalFile.of(report, verdict=verdict, quantize=qc.brief() if qc else None)
     out = out or Path("out") / "eval" / candidate.name

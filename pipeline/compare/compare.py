@@ -193,8 +193,12 @@ def compare(
     device: str | None = None,
     exact: bool = False,
     checksums_dir: Path | None = None,
+    serve: str | None = None,
+    perf_raw: Path | None = None,
 ) -> CompareResult:
     """Quantize, evaluate and gate every recipe on one model; write the report to `out`.
+    `serve="vllm"`: each recipe also served (its served check) and its served speed and
+    memory measured beside the 16-bit model (the reference measured once).
 
     A recipe whose gate fails is reported, not an error; `CompareResult.require_pass()`
     decides the exit code. A re-run with the same inputs quantizes nothing. `exact`: the
@@ -208,7 +212,9 @@ def compare(
     loaded = [load_recipe(p) for p in recipes]
     matrix(list(recipes))  # unique names, before any compute
     ctx = runner.Context(Path(cache_dir), device=device, exact_kl=exact,
-                         checksums_dir=pin_folder(checksums_dir))  # fmt: skip
+                         checksums_dir=pin_folder(checksums_dir), perf=serve is not None,
+                         serve_engine=serve,
+                         perf_raw=perf_raw or (Path(out) / "perf-raw" if serve else None))  # fmt: skip
     for r in loaded:  # every recipe against the model's config, before any download
         runner.check_recipe(str(model), r, ctx, show_plan=False)
     snap = runner.fetch_stage(str(model), ctx)

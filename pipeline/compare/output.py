@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..io.atomic import atomic_write_bytes, atomic_write_text
 from .html import render_html
-from .plots import plot_kl_distribution, plot_pareto, plot_task_drops
+from .plots import plot_kl_distribution, plot_pareto, plot_speed, plot_task_drops
 from .report import render_csv, render_json, render_md, summarise_rows
 
 REPORT_FILES = (
@@ -18,6 +18,7 @@ REPORT_FILES = (
     "kl_distribution.png",
     "task_drop_vs_kl.png",  # only when benchmarks ran
 )
+PERF_FILES = ("speed_vs_kl.png",)  # with served performance (compare --serve vllm)
 
 
 def write_report(rows: list[dict], out_dir: Path) -> dict:
@@ -26,7 +27,8 @@ def write_report(rows: list[dict], out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = summarise_rows(rows)
     images = {"pareto": plot_pareto(report), "kl_distribution": plot_kl_distribution(report),
-              "task_drop_vs_kl": plot_task_drops(report)}  # fmt: skip
+              "task_drop_vs_kl": plot_task_drops(report),
+              "speed_vs_kl": plot_speed(report)}  # fmt: skip
     for key, png in images.items():
         if png:
             atomic_write_bytes(out_dir / f"{key}.png", png)

@@ -210,6 +210,43 @@ def plot_kl_distribution(report: dict) -> bytes | None:
 
 
 @_figure
+def plot_speed(report: dict) -> bytes | None:
+    """Served speed-up over the 16-bit reference (y) vs mean KL (x, log): one panel per
+    workload, the Pareto front of the passing recipes drawn (faster and closer)."""
+    from .report import value, workloads
+
+    rows = [r for r in report["rows"] if r.get("speed") and r.get("kl_mean")]
+    wls = workloads(rows)
+    if not wls:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(wls), figsize=(5.4 * len(wls), 4.4), squeeze=False)
+    for ax, w in zip(axes[0], wls, strict=True):
+        pts = sorted((r["kl_mean"], value(r, f"speed:{w}"), r) for r in rows
+                     if value(r, f"speed:{w}") is not None)  # fmt: skip
+        front, best = [], -1.0
+        for kl, sp, r in pts:  # ascending KL: a point is on the front if it is faster
+            if r.get("passed") and not r.get("refused") and sp > best:
+                front.append((kl, sp))
+                best = sp
+        for kl, sp, r in pts:
+            ok = r.get("passed") and not r.get("refused")
+            ax.scatter([kl], [sp], s=36, color="C0" if ok else "C3", marker="o" if ok else "x")
+            ax.annotate(r["name"], (kl, sp), xytext=(4, 3), textcoords="offset points", fontsize=7)
+        if front:
+            ax.plot(*zip(*front, strict=True), "-", color="C0", alpha=0.5, lw=1.2)
+        ax.axhline(1.0, color="0.5", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("mean KL(ref ‖ quant), nats (log)")
+        ax.set_ylabel("output tokens/s vs 16-bit (x)")
+        ax.set_title(w, fontsize=10)
+        ax.grid(alpha=0.3)
+    gpu = next((r["gpu"] for r in rows if r.get("gpu")), "")
+    fig.suptitle(f"Served speed-up vs quality ({gpu}); x: failed its gate", fontsize=10)
+    return _figure_png(fig)
+
+
+@_figure
 def plot_task_drops(report: dict) -> bytes | None:
     """Accuracy drop (pp, paired 95 % interval) vs mean KL: one series per benchmark, one
     point per recipe. Does the cheap KL rank recipes as the benchmarks do?"""

@@ -30,6 +30,11 @@ Row schema (one per recipe; every figure may be None when the stage did not repo
     refused          why today's rules refuse this recipe (e.g. its plan splits a fused
                      set vLLM loads as one layer), or None: a refused row is shown, never
                      recommended
+    formats          its weight/activation formats ("W4A16", "W8A8-FP8, W4A16")
+    speed            {workload: {speedup, output_tok_s, ttft_p99_ms, tpot_p50_ms}} served
+                     through vLLM's benchmark beside the 16-bit reference (`--serve vllm`)
+    gpu              the GPU and engine the speed was measured on
+    weights_gib kv_cache_tokens   served weight memory and KV-cache capacity
 
 "Best" recipe (the one CI publishes): lowest mean KL among the recipes whose gate passed;
 a tie goes to fewer bits per weight, then to the name.
@@ -195,6 +200,7 @@ def recommendation(report: dict) -> str:
             f"{n} ({by_name[n]['refused']})" for n in refused) + ".")  # fmt: skip
     if picks:
         text += " Shipped winners here: " + "; ".join(picks) + "."
+    text += speed_words(report)
     if not any(TUNED.search(n) for n in names):
         text += (" For the least KL within a bit budget on this model: `qship tune --recipe "
                  "recipes/gptq-w4a-mse.yaml --max-bits 4.25 --write-recipe R.yaml`.")  # fmt: skip
@@ -205,16 +211,57 @@ def _task_names(rows: list[dict]) -> list[str]:
     return sorted({t for r in rows for t in (r.get("tasks") or {})})
 
 
+def workloads(rows: list[dict]) -> list[str]:
+    """The served-performance workloads measured in any row, in first-seen order."""
+    out: list[str] = []
+    for r in rows:
+        out += [w for w in (r.get("speed") or {}) if w not in out]
+    return out
+
+
 def columns(rows: list[dict]) -> list[tuple[str, str, str, str | None]]:
-    cols = [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    cols: list[tuple[str, str, str, str | None]] = []
+    if any(r.get("formats") for r in rows):
+        cols.append(("formats", "formats", "s", None))
+    cols += [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
     cols += [(f"task:{t}", f"{t} drop pp", "{:+.2f}", "min") for t in _task_names(rows)]
+    for w in workloads(rows):
+        cols.append((f"speed:{w}", f"{w} speed-up", "{:.2f}x", "max"))
+    if any(r.get("weights_gib") is not None for r in rows):
+        cols.append(("weights_gib", "served weights GiB", "{:.2f}", "min"))
     return cols
 
 
 def value(row: dict, key: str) -> Any:
     if key.startswith("task:"):
         return (row.get("tasks") or {}).get(key[5:])
+    if key.startswith("speed:"):
+        return ((row.get("speed") or {}).get(key[6:]) or {}).get("speedup")
     return row.get(key)
+
+
+def fastest(rows: list[dict]) -> dict[str, str]:
+    """{workload: the passing, not refused recipe with the highest speed-up}."""
+    out = {}
+    for w in workloads(rows):
+        ok = [r for r in _eligible(rows) if value(r, f"speed:{w}") is not None]
+        if ok:
+            out[w] = max(ok, key=lambda r: (value(r, f"speed:{w}"), -r["kl_mean"]))["name"]
+    return out
+
+
+def speed_words(report: dict) -> str:
+    """ "1-stream: W4A16 g128, 1.9x, KL 0.15 -- 64-streams: FP8 dynamic, 1.3x, KL 0.01"."""
+    by_name = {r["name"]: r for r in report["rows"]}
+    parts = []
+    for w, n in (report.get("fastest") or {}).items():
+        r = by_name[n]
+        parts.append(f"{w}: **{n}** ({r.get('formats') or '?'}), {value(r, 'speed:' + w):.2f}x, "
+                     f"KL {r['kl_mean']:.3g}")  # fmt: skip
+    if not parts:
+        return ""
+    gpu = next((r["gpu"] for r in report["rows"] if r.get("gpu")), "")
+    return f" Fastest passing recipe per workload ({gpu}): " + " — ".join(parts) + "."
 
 
 def best_per_column(rows: list[dict]) -> dict[str, list[str]]:
@@ -260,6 +307,7 @@ def summarise_rows(rows: list[dict]) -> dict:
         "winners_compared": [n for n in WINNERS if n in names],
         "pareto_bits_vs_kl": pareto_front(rows),
         "best_per_column": best_per_column(rows),
+        "fastest": fastest(rows),
         "rows": rows,
     }
 
@@ -272,6 +320,8 @@ def fmt(v: Any, f: str) -> str:
         return "–"
     if f == "mb":
         return f"{v / 1e6:.2f}"
+    if f == "s":
+        return str(v).replace("|", "\\|")
     if isinstance(v, int) and "f" not in f and "g" not in f:
         return str(v)
     return f.format(v)
@@ -347,8 +397,9 @@ def render_md(report: dict) -> str:
 
 def csv_header(rows: list[dict]) -> list[str]:
     return (
-        ["name", "recipe", "recipe_hash", "passed", *SCALARS]
+        ["name", "recipe", "recipe_hash", "passed", "formats", *SCALARS]
         + [f"task:{t}" for t in _task_names(rows)]
+        + [f"speed:{w}" for w in workloads(rows)]
         + ["failed_checks"]
     )
 

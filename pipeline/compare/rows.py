@@ -42,10 +42,25 @@ def row(ev: EvalFile, *, name: str | None = None, recipe: str | None = None) -> 
         "tasks": {t: r.drop_pp for t, r in ok_tasks.items()},
         "task_ci": {t: list(r.ci95_pp) for t, r in ok_tasks.items() if r.ci95_pp},
         "kl_hist": m.kl_hist.to_json(),
+        "formats": ", ".join(q.formats) if q and q.formats else None,
+        **speed_fields(ev),
         "source": None,
         "refused": None,
     }
     return out
+
+
+def speed_fields(ev: EvalFile) -> dict[str, Any]:
+    """The served-performance figures of a row (None without `--serve vllm`)."""
+    p = ev.served_perf
+    if p is None:
+        return {"speed": None, "gpu": None, "weights_gib": None, "kv_cache_tokens": None}
+    speed = {w.name: {"speedup": w.speedup, "output_tok_s": w.candidate.output_tok_s,
+                      "ttft_p99_ms": w.candidate.ttft_p99_ms,
+                      "tpot_p50_ms": w.candidate.tpot_p50_ms} for w in p.workloads}  # fmt: skip
+    return {"speed": speed, "gpu": f"{p.gpu}, {p.engine}",
+            "weights_gib": p.candidate.weights_gib,
+            "kv_cache_tokens": p.candidate.kv_cache_tokens}  # fmt: skip
 
 
 def read_eval_file(path: Path) -> EvalFile:

@@ -117,6 +117,33 @@ def _primary(task: str, sample: dict) -> str | None:
     return None
 
 
+def quantizes_activations(model_dir: Path) -> bool:
+    """Whether a checkpoint's quantization_config rounds some layer's input activations."""
+    try:
+        qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return False
+    groups = (qc or {}).get("config_groups") or {}
+    return any(isinstance(g, dict) and g.get("input_activations") for g in groups.values())
+
+
+def _served_model(spec: dict) -> Any:
+    """lm-eval's HF model around qship's loader with vLLM's Linear numerics (W8A8, W4A8),
+    so the benchmarks score what vLLM serves, as the KL does."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    from ..model.loading import load_model
+    from .numerics import serve_linears
+
+    path = Path(spec["model_dir"])
+    dtype = None if spec["dtype"] == "auto" else spec["dtype"]
+    m = load_model(path, device=spec["device"], dtype=dtype)
+    serve_linears(m)
+    return HFLM(pretrained=m, tokenizer=AutoTokenizer.from_pretrained(str(path)),
+                batch_size=spec["batch_size"])  # fmt: skip
+
+
 def _worker(spec: dict) -> None:
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -128,12 +155,15 @@ def _worker(spec: dict) -> None:
         include = str(data.task_dir(local, Path(spec["data_dir"]), work / "tasks"))
     tm = TaskManager(include_path=include)
     args = f"pretrained={spec['model_dir']},dtype={spec['dtype']}"
+    model: Any = "hf"
     if spec.get("offload", "none") != "none" and spec["device"].startswith("cuda"):
         # a model that does not fit the GPU: lm-eval's accelerate placement (what fits on the
         # GPU, the rest in host memory, then files)
         args += f",parallelize=True,offload_folder={work / 'offload'}"
+    elif quantizes_activations(Path(spec["model_dir"])):
+        model, args = _served_model(spec), ""
     r = lm_eval.simple_evaluate(
-        model="hf",
+        model=model,
         model_args=args,
         tasks=spec["tasks"], task_manager=tm, limit=spec["limit"], device=spec["device"],
         batch_size=spec["batch_size"], log_samples=True, bootstrap_iters=0,

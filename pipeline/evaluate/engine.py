@@ -43,7 +43,7 @@ from ..records.evaluation import (
 )
 from ..records.tokens import TokenSetInfo
 from . import kl_stats, reference_cache
-from .numerics import served_attention
+from .numerics import serve_linears, served_attention
 from .scoring import (
     forward_logits,
     kv_modules,
@@ -105,6 +105,7 @@ def evaluate(
     if exact:
         t0 = time.perf_counter()
         ref_model, cand_model = load(reference.path), load(candidate.path)
+        n_linear = serve_linears(cand_model)
         timings["load_s"] = time.perf_counter() - t0
         hooked = kv_modules(cand_model)
         n_hooked = len(hooked)
@@ -124,6 +125,7 @@ def evaluate(
         ref = ref_entry.load()
         t0 = time.perf_counter()
         cand_model = load(candidate.path)
+        n_linear = serve_linears(cand_model)
         timings["load_s"] = time.perf_counter() - t0
         hooked = kv_modules(cand_model)
         n_hooked = len(hooked)
@@ -171,6 +173,7 @@ def evaluate(
             model_hash=candidate.model_hash,
             kv_cache_scheme=scheme,
             kv_hooked_attention_modules=n_hooked,
+            served_linear_modules=n_linear,
         ),
         corpus=CorpusRef(
             source=corpus.source if corpus else None,

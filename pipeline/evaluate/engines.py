@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,20 @@ class TransformersEngine:
         return torch.cat(out), torch.cat(top1), 0
 
 
+# vLLM logs the kernel it chose for each quantization scheme once: "Using MacheteLinearKernel
+# for CompressedTensorsWNA16", "Selected CutlassFP8ScaledMMLinearKernel for ..."
+_KERNEL_LINE = re.compile(r"(?:Using|Selected|using) ([A-Za-z0-9_]+) (?:for|as) ([A-Za-z0-9_]+)")
+
+
+def kernels_in_log(text: str) -> dict[str, str]:
+    """{scheme: kernel} from vLLM's log lines (what ran, so a silent fallback shows)."""
+    out: dict[str, str] = {}
+    for kernel, scheme in _KERNEL_LINE.findall(text):
+        if "Kernel" in kernel or "Linear" in kernel or scheme.startswith("CompressedTensors"):
+            out[scheme] = kernel
+    return out
+
+
 class VllmEngine:
     """vLLM in a child process (vllm_child.py) of $QSHIP_VLLM_PYTHON -- its own environment,
     since vLLM pins other versions than qship (requirements/serve.lock) -- or of this Python
@@ -136,6 +151,9 @@ class VllmEngine:
                 )
             facts = json.loads((work / "facts.json").read_text())
             out = load_file(str(work / "out.safetensors"))
+        logged = kernels_in_log(output)
+        if logged:
+            facts["kernels_logged"] = logged
         self.name = facts.pop("engine", "vllm")
         missing = int(facts.pop("missing", 0))
         self.facts.update({k: v if isinstance(v, str) else json.dumps(v, sort_keys=True)

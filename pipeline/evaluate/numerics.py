@@ -65,3 +65,107 @@ def served_attention(model: Any, numerics: str, hooked: list[torch.nn.Module]) -
             local[impl] = old
         else:
             local.pop(impl, None)
+
+
+# ---------------------------------------------------------------- quantized Linear layers
+#
+# vLLM's kernels for checkpoints that quantize activations, as qship's evaluation runs them
+# (CUDA kernels in vLLM 0.26: csrc/quantization, model_executor/layers/quantization):
+#   FP8 per token, dynamic   scale = max(amax / 448, 1 / (448 * 512)) in float32 per row
+#                            (scaled_fp8_quant, use_per_token_if_dynamic)
+#   FP8 per 128-group        scale = max(amax, 1e-10) / 448 per group (per_token_group_quant_fp8)
+#   INT8 per token, dynamic  scale = amax / 127, round half to even, saturate (scaled_int8_quant)
+#   static (per tensor)      the stored input_scale
+# and W4A8 (CUTLASS, sm90) runs the int4 weights with its group scales stored in FP8: per
+# output channel c = max|s| / 448 (QuantFP8 per token over the scale row), then
+# s8 = fp8(fp8(s / c) / 8) and c * 8 (quant_utils.convert_bf16_scales_to_fp8).
+# compressed-tensors' own activation rounding differs in small ways (scales in the model
+# dtype, no lower bound), and it knows nothing of W4A8's FP8 scales.
+
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+INT8_MAX = 127.0
+
+
+def fp8_token_quant(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """x rounded through FP8 e4m3 with a dynamic scale per row of the last dimension (or
+    per `group` consecutive values of it), as vLLM's dynamic FP8 kernels do."""
+    shape = x.shape
+    xf = x.float().reshape(-1, group) if group else x.float().reshape(-1, shape[-1])
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = (
+        (amax.clamp(min=1e-10) / FP8_MAX) if group else (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    )
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).reshape(shape).to(x.dtype)
+
+
+def int8_token_quant(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 with a dynamic symmetric scale per row (vLLM's scaled_int8_quant)."""
+    xf = x.float().reshape(-1, x.shape[-1])
+    scale = xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+    q = torch.round(xf / scale.clamp(min=1e-30)).clamp(-INT8_MAX - 1, INT8_MAX)
+    return (q * scale).reshape(x.shape).to(x.dtype)
+
+
+def static_quant(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    """x through FP8 or int8 with one stored scale (static per-tensor input_scale)."""
+    if kind == "float":
+        return fp8_round(x, scale)
+    q = torch.round(x.float() / scale).clamp(-INT8_MAX - 1, INT8_MAX)
+    return (q * scale).to(x.dtype)
+
+
+def w4a8_scales(scales: torch.Tensor) -> torch.Tensor:
+    """The group scales [out, groups] as vLLM's CUTLASS W4A8 kernel applies them (FP8 with
+    a float32 scale per output channel), in float32."""
+    s = scales.float()
+    chan = (s.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    s8 = (s / chan).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    s8 = (s8.float() / 8.0).to(torch.float8_e4m3fn)
+    return s8.float() * (chan * 8.0)
+
+
+def _act_quant(module: Any, args: Any) -> Any:
+    if args.dynamic:
+        if args.type == "float":
+            group = args.group_size if str(args.strategy).endswith("group") else None
+            return lambda x: fp8_token_quant(x, group)
+        return int8_token_quant
+    scale = float(module.input_scale.float().max().item())
+    kind = str(args.type).rsplit(".", 1)[-1].lower()
+    return lambda x: static_quant(x, scale, kind)
+
+
+def _w4a8(module: Any, w_args: Any) -> None:
+    """Re-round an int4 group-quantized weight with vLLM's FP8 group scales."""
+    w, s = module.weight.data, module.weight_scale.data
+    g = int(w_args.group_size)
+    wf = w.float().reshape(w.shape[0], -1, g)
+    sf = s.float().unsqueeze(-1)
+    q = torch.round(wf / sf).clamp(-8, 7)
+    module.weight.data = (q * w4a8_scales(s).unsqueeze(-1)).reshape(w.shape).to(w.dtype)
+
+
+def serve_linears(model: Any) -> int:
+    """Make the quantized Linear layers of a loaded checkpoint compute as vLLM's kernels do
+    (see above): input activations rounded by qship's hooks instead of compressed-tensors'
+    (whose input rounding is switched off), W4A8 weights re-rounded with FP8 group scales.
+    Idempotent; returns how many layers it changed."""
+    n = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue  # attention modules carry the KV scheme as "input activations"
+        scheme: Any = getattr(module, "quantization_scheme", None)
+        act = getattr(scheme, "input_activations", None)
+        if scheme is None or act is None or getattr(module, "_qship_served", False):
+            continue
+        w = scheme.weights
+        if w is not None and str(w.type).endswith("int") and w.num_bits == 4 and \
+                str(act.type).endswith("float"):  # fmt: skip
+            _w4a8(module, w)
+        quant = _act_quant(module, act)
+        module.quantization_scheme = scheme.model_copy(update={"input_activations": None})
+        module.register_forward_pre_hook(lambda _m, inputs, q=quant: (q(inputs[0]), *inputs[1:]))
+        module._qship_served = True
+        n += 1
+    return n

@@ -44,7 +44,11 @@ def inspect(model) -> dict:
     for _, mod in model.named_modules():
         scheme = getattr(mod, "scheme", None)
         if scheme is not None:
-            key = f"{type(scheme).__name__}/{type(getattr(scheme, 'kernel', None)).__name__}"
+            # the scheme's kernel object: WNA16 / W4A8 keep it as `kernel`, FP8 schemes as
+            # `fp8_linear` or `w8a8_block_fp8_linear` (the name differs across vLLM versions)
+            kern = next((getattr(scheme, a) for a in ("kernel", "fp8_linear",
+                         "w8a8_block_fp8_linear", "linear_op") if hasattr(scheme, a)), None)  # fmt: skip
+            key = f"{type(scheme).__name__}/{type(kern).__name__}"
             kernels[key] = kernels.get(key, 0) + 1
         if hasattr(mod, "kv_cache_dtype") and hasattr(mod, "impl") and not attn:
             attn = {"impl": type(mod.impl).__name__, "kv_cache_dtype": str(mod.kv_cache_dtype)}

@@ -41,7 +41,7 @@ from ..io.safetensors_header import (
     read_int_tensor,
     read_tensor_bytes,
 )
-from ..records.plan import ModuleScheme
+from ..records.plan import ActivationScheme, ModuleScheme
 from .devices import DTYPES
 from .matching import matches
 from .moe import saved_name_to_module
@@ -55,6 +55,10 @@ QUANT_PARAMS = (
     "weight_zero_point",
     "weight_g_idx",
 )
+# int8 / FP8 values stored as `weight` (int-quantized, float-quantized: W8A8, FP8), with
+# input_scale for static activations
+UNPACKED_PARAMS = ("weight", "weight_scale", "weight_zero_point", "input_scale")
+STORED_DTYPE = {"int": "I8", "float": "F8_E4M3"}
 KV_SCALES = ("k_scale", "v_scale")
 Tensors = dict[str, tuple[str, TensorInfo]]  # name -> (file, header entry)
 
@@ -213,13 +217,18 @@ def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems
                                      f"({[h[0] for h in hits]}); one at most")  # fmt: skip
             if hits and isinstance(hits[0][1].get("weights"), dict):
                 gname, spec = hits[0]
-                expected.update(f"{name}.{q}" for q in QUANT_PARAMS)
-                errs = _check_packed(root, name, spec["weights"], tensors, headers,
-                                     (mod.out_features, mod.in_features))  # fmt: skip
+                packed = (spec.get("format") or qc.get("format")) == "pack-quantized"
+                shape = (mod.out_features, mod.in_features)
+                if packed:
+                    expected.update(f"{name}.{q}" for q in QUANT_PARAMS)
+                    errs = _check_packed(root, name, spec["weights"], tensors, headers, shape)
+                else:
+                    expected.update(f"{name}.{q}" for q in UNPACKED_PARAMS)
+                    errs = _check_unpacked(name, spec, tensors, shape)
                 if errs:
                     p.add(_file_of(tensors, name), f"{name}: [{gname}] " + "; ".join(errs))
-                schemes[name] = _scheme(spec["weights"])
-                if f"{name}.weight" in tensors:
+                schemes[name] = _scheme(spec["weights"], spec.get("input_activations"))
+                if packed and f"{name}.weight" in tensors:
                     p.add(_file_of(tensors, name), f"{name} is claimed by config group {gname} "
                                                    "but stored dense")  # fmt: skip
             else:
@@ -273,15 +282,78 @@ def _file_of(tensors: Tensors, module: str) -> str:
     return "config.json"
 
 
-def _scheme(w: dict) -> ModuleScheme:
+def _scheme(w: dict, a: Any = None) -> ModuleScheme:
     observer = w.get("observer")
+    strategy = w.get("strategy")
+    act = None
+    if isinstance(a, dict):
+        act = ActivationScheme(
+            type=a.get("type") or "int", bits=int(a.get("num_bits") or 0),
+            strategy=a.get("strategy") or "tensor", dynamic=bool(a.get("dynamic")),
+            group_size=a.get("group_size") if a.get("strategy") == "group" else None,
+        )  # fmt: skip
     return ModuleScheme(
         bits=int(w.get("num_bits") or 0),
         symmetric=bool(w.get("symmetric")),
-        group_size=w.get("group_size") if w.get("strategy") == "group" else None,
+        group_size=w.get("group_size") if strategy == "group" else None,
         # min-max in any of its forms is the default (null in a recipe)
         observer=None if observer is None or "minmax" in str(observer) else str(observer),
+        type=w.get("type") or "int",
+        strategy=strategy if strategy in ("group", "channel", "tensor", "block") else "group",
+        block=list(w["block_structure"]) if w.get("block_structure") else None,
+        activations=act,
     )
+
+
+def _scale_shape(w: dict, out: int, inn: int) -> tuple[int, ...] | str:
+    """The weight_scale shape a weight's strategy implies (a message when it is malformed)."""
+    strategy, gs, block = w.get("strategy"), w.get("group_size"), w.get("block_structure")
+    if strategy == "group":
+        if not isinstance(gs, int) or gs <= 0:
+            return f"strategy group with group_size {gs!r}"
+        return (out, math.ceil(inn / gs))
+    if strategy == "channel":
+        return (out, 1)
+    if strategy == "tensor":
+        return (1,)
+    if strategy == "block":
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0
+                                                                     for b in block)):  # fmt: skip
+            return f"strategy block with block_structure {block!r}"
+        return (math.ceil(out / block[0]), math.ceil(inn / block[1]))
+    return f"unsupported weight strategy {strategy!r}"
+
+
+def _check_unpacked(module: str, spec: dict, tensors: Tensors, shape: tuple[int, int]) -> list[str]:
+    """int8 or FP8 values stored as `weight` (int-quantized / float-quantized)."""
+    w = spec["weights"]
+    want = STORED_DTYPE.get(str(w.get("type")))
+    t = tensors.get(module + ".weight")
+    if t is None:
+        return ["quantized by config but weight is absent"]
+    errs = []
+    if t[1].dtype != want:
+        errs.append(f"weight is {t[1].dtype}, expected {want} for {w.get('type')} weights")
+    if t[1].shape != shape:
+        errs.append(f"weight shape {list(t[1].shape)} != expected {list(shape)} from config.json")
+    scale = _scale_shape(w, *shape)
+    sc = tensors.get(module + ".weight_scale")
+    if isinstance(scale, str):
+        errs.append(scale)
+    elif sc is None:
+        errs.append("weight_scale tensor missing")
+    elif sc[1].numel != math.prod(scale) or (len(scale) > 1 and sc[1].shape != scale):
+        errs.append(f"weight_scale shape {list(sc[1].shape)} != {list(scale)} "
+                    f"(strategy {w.get('strategy')})")  # fmt: skip
+    a = spec.get("input_activations")
+    static = isinstance(a, dict) and not a.get("dynamic")
+    if static and module + ".input_scale" not in tensors:
+        errs.append("static input activations but input_scale is absent")
+    if not static and module + ".input_scale" in tensors:
+        errs.append("input_scale stored but the activations are dynamic (or not quantized)")
+    if w.get("symmetric") is True and module + ".weight_zero_point" in tensors:
+        errs.append("weight_zero_point present but the group is symmetric")
+    return errs
 
 
 def check_layers(cfg: dict, tensors: Tensors, p: Problems) -> None:
@@ -297,7 +369,8 @@ def _check_scale_values(root: Path, tensors: Tensors, headers, p: Problems) -> N
     reached is saved with NaN or 0 scales, which load fine and then produce garbage."""
     import torch
 
-    names = [n for n in tensors if n.endswith((".weight_scale", *(f".{s}" for s in KV_SCALES)))]
+    ends = (".weight_scale", ".input_scale", *(f".{s}" for s in KV_SCALES))
+    names = [n for n in tensors if n.endswith(ends)]
     by_file: dict[str, list[str]] = {}
     for n in names:
         by_file.setdefault(tensors[n][0], []).append(n)
@@ -343,18 +416,10 @@ def _check_packed(root, module, w, tensors: Tensors, headers, expected) -> list[
     want = (out, math.ceil(inn * bits / 32))
     if tp.shape != want:
         errs.append(f"weight_packed shape {list(tp.shape)} != {list(want)} for {bits}-bit {shape}")
-    strategy, gs = w.get("strategy"), w.get("group_size")
-    ngroups: int | None
-    if strategy == "group":
-        if not isinstance(gs, int) or gs <= 0:
-            return errs + [f"strategy group with group_size {gs!r}"]
-        ngroups = math.ceil(inn / gs)
-    elif strategy == "channel":
-        ngroups = 1
-    elif strategy == "tensor":
-        ngroups = None
-    else:
-        return errs + [f"unsupported weight strategy {strategy!r}"]
+    scale = _scale_shape(w, out, inn)
+    if isinstance(scale, str):
+        return errs + [scale]
+    ngroups = scale[1] if len(scale) == 2 else None
     if module + ".weight_scale" not in tensors:
         return errs + ["weight_scale tensor missing"]
     _, tsc = tensors[module + ".weight_scale"]
@@ -363,10 +428,10 @@ def _check_packed(root, module, w, tensors: Tensors, headers, expected) -> list[
     if ngroups is None:
         if tsc.numel != 1:
             errs.append(f"weight_scale shape {list(tsc.shape)} for per-tensor strategy")
-    elif tsc.shape != (out, ngroups):
+    elif tsc.shape != scale:
         errs.append(
-            f"weight_scale shape {list(tsc.shape)} != [{out}, {ngroups}] "
-            f"(strategy {strategy}, group_size {gs}, in_features {inn})"
+            f"weight_scale shape {list(tsc.shape)} != {list(scale)} "
+            f"(strategy {w.get('strategy')}, group_size {w.get('group_size')}, in_features {inn})"
         )
     zp = tensors.get(module + ".weight_zero_point")
     if w.get("symmetric") is True and zp is not None:

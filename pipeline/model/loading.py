@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +57,11 @@ def load_model(
     if offload == "cpu" and device_kind(device) == "cpu" and not _distributed():
         offload = "none"  # host memory is where the weights are anyway
     if offload == "none" and not _distributed():
-        model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype,
-                                                           output_loading_info=True)  # fmt: skip
+        with warnings.catch_warnings():  # "loading attributes ... will be overwritten": asked for
+            warnings.filterwarnings("ignore", message=".*quantization_config.*")
+            model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype,
+                                                               output_loading_info=True,
+                                                               **_dequantized(path))  # fmt: skip
         _require_complete(path, info)
         _cast_strays(model, torch_dtype)
         if linear_experts:
@@ -88,6 +93,21 @@ def load_model(
     if offload == "cpu" and device_kind(device) == "cuda" and not _distributed():
         _pin(model)
     return model.eval()
+
+
+def _dequantized(path: Path) -> dict[str, Any]:
+    """For a compressed-tensors checkpoint: decompress the weights while loading, so every
+    Linear has its dense `weight` before any forward (transformers 5.17's default leaves
+    them packed until the first forward, which qship's served numerics cannot wait for)."""
+    try:
+        qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return {}
+    if qc.get("quant_method") != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
 def _require_complete(path: Path, info: dict[str, Any]) -> None:

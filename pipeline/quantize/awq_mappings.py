@@ -1,4 +1,4 @@
-"""AWQ smoothing mappings, derived from the model's structure (model/roles.py), per layer.
+"""AWQ (and SmoothQuant) smoothing mappings, derived from the model's structure (model/roles.py), per layer.
 
     norm -> attention inputs     the norm the attention block reads -> q/k/v (or fused qkv)
     v -> o                       v_proj -> the attention output (only when v_proj's outputs
@@ -91,4 +91,31 @@ def derive_awq_mappings(
                 )
             out.append(MappingPlan(kind=kind, smooth=smooth, balance=balance, applied=not reason,
                                    reason=reason or "shapes compatible"))  # fmt: skip
+    return out
+
+
+def derive_smoothquant_mappings(
+    model: Any, structure: Structure, owner: dict[str, str | None], recipe: Recipe
+) -> list[MappingPlan]:
+    """SmoothQuant's norm -> (q/k/v | gate/up) mappings, per layer, for a recipe with
+    `smoothquant`: applied when every layer that reads the norm quantizes its activations
+    (the point of smoothing). Norms computing x * (1 + w) (Gemma) are smoothed correctly:
+    llm-compressor 0.14's oneshot swaps them for x * w' during calibration and back
+    (modeling/offset_norm.py)."""
+    if recipe.smoothquant is None:
+        return []
+    acts = {g.name for g in recipe.groups if g.scheme and g.scheme.activations}
+    mods = dict(model.named_modules())
+    out: list[MappingPlan] = []
+    for lp in structure.layers:
+        for kind, smooth, balance in _candidates(lp, structure, mods):
+            if not kind.startswith("norm->"):
+                continue
+            linear = [n for n in balance if n in owner]  # a router without weights excluded
+            reason = ""
+            plain = [_leaf(n) for n in linear if owner.get(n) not in acts]
+            if plain:
+                reason = "16-bit activations in " + ", ".join(plain[:4])
+            out.append(MappingPlan(kind=kind, smooth=smooth, balance=linear, applied=not reason,
+                                   reason=reason or "activations quantized"))  # fmt: skip
     return out

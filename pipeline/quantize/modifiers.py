@@ -1,5 +1,6 @@
 """The plan as llm-compressor modifiers (one calibration pass, sequential pipeline), in order:
 
+  SmoothQuantModifier with the plan's applied norm mappings (recipe `smoothquant`)
   AWQModifier (transform only) per option set of the smoothed groups (method awq, and gptq
     with `awq_scales`), with the plan's applied mappings
   QuantizationModifier: config groups of the AWQ and RTN modules (+ the FP8 KV scheme)
@@ -27,18 +28,34 @@ from .autoround_modifier import autoround_modifier_class
 
 
 def qargs(scheme: ModuleScheme) -> dict[str, Any]:
-    """compressed-tensors QuantizationArgs (as keyword arguments) for an int weight scheme."""
+    """compressed-tensors QuantizationArgs (as keyword arguments) for a weight scheme."""
     d: dict[str, Any] = {
         "num_bits": scheme.bits,
-        "type": "int",
+        "type": scheme.type,
         "symmetric": scheme.symmetric,
-        "strategy": "group" if scheme.group_size else "channel",
+        "strategy": scheme.strategy,
         "dynamic": False,
     }
     if scheme.group_size:
         d["group_size"] = scheme.group_size
+    if scheme.block:
+        d["block_structure"] = list(scheme.block)
     if scheme.observer:
         d["observer"] = scheme.observer
+    return d
+
+
+def act_args(scheme: ModuleScheme) -> dict[str, Any] | None:
+    """QuantizationArgs (as keyword arguments) for the input activations, or None."""
+    a = scheme.activations
+    if a is None:
+        return None
+    d: dict[str, Any] = {"num_bits": a.bits, "type": a.type, "symmetric": True,
+                         "strategy": a.strategy, "dynamic": a.dynamic}  # fmt: skip
+    if a.group_size:
+        d["group_size"] = a.group_size
+    if a.dynamic:
+        d["observer"] = None  # scales are computed on the fly: nothing to calibrate
     return d
 
 
@@ -57,8 +74,13 @@ def config_groups(plan: Plan, groups: list[str]) -> dict[str, Any]:
     for (group, _), (scheme, names) in parts.items():
         split = sum(1 for g, _ in parts if g == group) > 1
         name = f"{group}-g{scheme.group_size or 'ch'}" if split else group
+        act = act_args(scheme)
         out[name] = QuantizationScheme(
-            targets=compact_targets(names, universe), weights=QuantizationArgs(**qargs(scheme))
+            targets=compact_targets(names, universe),
+            weights=QuantizationArgs(**qargs(scheme)),
+            input_activations=QuantizationArgs(**act) if act else None,
+            # set, not inferred: compressed-tensors would store W4A8-FP8 as int8 values
+            format=scheme.saved_format(),
         )
     return out
 
@@ -89,6 +111,12 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
                               symmetric=True)  # fmt: skip
     owner = {m.name: m.group for m in plan.modules}
     mods: list[Any] = []
+    sq = [[list(mp.balance), mp.smooth] for mp in plan.smoothquant if mp.applied]
+    if recipe.smoothquant is not None and sq:
+        from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+        mods.append(SmoothQuantModifier(smoothing_strength=recipe.smoothquant.strength,
+                                        mappings=sq))  # fmt: skip
     for names in _option_sets(recipe, plan, "smoothed").values():
         opts = groups[names[0]].options
         maps = [AWQMapping(mp.smooth, list(mp.balance)) for mp in plan.applied_mappings()

@@ -16,22 +16,54 @@ from ..errors import RecipeError
 from ..model.devices import DTYPES
 from ..model.loading import load_meta_model, meta_model
 from ..model.roles import Structure, split_fused
-from ..recipe import Recipe
-from ..records.plan import BitsPerWeight, ModulePlan, ModuleScheme, ParamCounts, Plan
-from .awq_mappings import derive_awq_mappings
+from ..recipe import Recipe, Scheme
+from ..records.plan import (
+    ActivationScheme,
+    BitsPerWeight,
+    ModulePlan,
+    ModuleScheme,
+    ParamCounts,
+    Plan,
+)
+from .awq_mappings import derive_awq_mappings, derive_smoothquant_mappings
+from .serving import check_target, check_workloads
 from .validate import Claims, validate_for_model
 
 OTHERS = "(others)"  # the group name of Linear modules kept under `others: keep`
 
 
+def module_scheme(s: Scheme, group_size: int | None) -> ModuleScheme:
+    """The recipe scheme as it applies to one module whose group size is `group_size` (the
+    recipe's, or the fallback that divides the module)."""
+    act = s.activations
+    return ModuleScheme(
+        bits=s.bits, symmetric=s.symmetric, group_size=group_size, observer=s.observer,
+        type=s.type, block=s.block,
+        strategy=s.strategy if s.strategy != "group" or group_size else "channel",
+        activations=ActivationScheme(**act.model_dump()) if act else None,
+    )  # fmt: skip
+
+
 def weight_storage_bits(out_f: int, in_f: int, scheme: ModuleScheme | None, dtype_bits: int) -> int:
-    """Bits stored for one Linear weight in compressed-tensors pack-quantized format."""
+    """Bits stored for one Linear weight as compressed-tensors saves it: packed int4/int8
+    (pack-quantized), int8 (int-quantized: INT8 W8A8) or FP8 (float-quantized)."""
     if not scheme:
         return out_f * in_f * dtype_bits
     bits = scheme.bits
+    if scheme.strategy == "block" and scheme.block:
+        scales = -(-out_f // scheme.block[0]) * -(-in_f // scheme.block[1])
+    elif scheme.strategy == "tensor":
+        scales = 1
+    else:
+        scales = out_f * (in_f // scheme.group_size if scheme.group_size else 1)
+    total = out_f * in_f * bits  # weight_packed (int32 words, 32/bits values each), or int8/fp8
+    total += scales * dtype_bits  # weight_scale in the model dtype
+    act = scheme.activations
+    if act is not None and not act.dynamic:
+        total += dtype_bits  # input_scale (per tensor)
+    if scheme.type == "float" or scheme.activations is not None and bits == 8:
+        return total  # int-quantized / float-quantized: no weight_shape
     ngroups = in_f // scheme.group_size if scheme.group_size else 1
-    total = out_f * in_f * bits  # weight_packed (int32 words, 32/bits values each)
-    total += out_f * ngroups * dtype_bits  # weight_scale in the model dtype
     if not scheme.symmetric:
         total += out_f * ngroups * bits  # weight_zero_point, packed like the weight
     total += 2 * 32  # weight_shape (int32[2])
@@ -49,8 +81,7 @@ def _module_plan(name: str, mod: Any, recipe: Recipe, claims: Claims, tied: bool
         note = f"kept: group {g.name!r} has method none"
     else:
         gs = claims.group_size.get(name, g.scheme.group_size)
-        scheme = ModuleScheme(bits=g.scheme.bits, symmetric=g.scheme.symmetric, group_size=gs,
-                              observer=g.scheme.observer)  # fmt: skip
+        scheme = module_scheme(g.scheme, gs)
         if name in claims.group_size:
             note = (f"group size {g.scheme.group_size} does not divide {mod.in_features}: "
                     + (f"group size {gs}" if gs else "one scale per channel"))  # fmt: skip
@@ -133,6 +164,9 @@ def build_plan(model: Any, recipe: Recipe, structure: Structure | None = None) -
         if isinstance(mod, torch.nn.Linear)
     ]
     check_fused(modules, recipe)
+    target_notes = check_target(modules, recipe)
+    cfg_text = getattr(model.config, "get_text_config", lambda: model.config)()
+    check_workloads(recipe, getattr(cfg_text, "max_position_embeddings", None))
     check_reloadable(modules, str(getattr(getattr(model, "config", None), "model_type", "")),
                      recipe)  # fmt: skip
     # whole-checkpoint size: every parameter once; quantized Linear weights packed
@@ -158,7 +192,14 @@ def build_plan(model: Any, recipe: Recipe, structure: Structure | None = None) -
         return sum(m.bits_per_weight * m.in_features * m.out_features for m in ms) / n if n else 0.0
 
     mappings = derive_awq_mappings(model, structure, claims.owner, recipe)
-    notes = list(structure.notes)
+    smoothing = derive_smoothquant_mappings(model, structure, claims.owner, recipe)
+    notes = list(structure.notes) + target_notes
+    sq_skipped = [m for m in smoothing if not m.applied]
+    if sq_skipped:
+        notes.append(f"SmoothQuant: {len(sq_skipped)} of {len(smoothing)} norm mapping(s) "
+                     f"skipped, e.g. {sq_skipped[0].smooth}: {sq_skipped[0].reason}")  # fmt: skip
+    if not recipe.needs_calibration():
+        notes.append("data-free: no calibration pass (RTN weights, dynamic activation scales)")
     skipped = [m for m in mappings if not m.applied]
     if skipped:
         notes.append(
@@ -183,6 +224,7 @@ def build_plan(model: Any, recipe: Recipe, structure: Structure | None = None) -
         dtype=recipe.dtype,
         modules=modules,
         mappings=mappings,
+        smoothquant=smoothing,
         kv_cache=recipe.kv_cache,
         decoder_layers=[lp.layer for lp in structure.layers],
         structure_rule=structure.rule,

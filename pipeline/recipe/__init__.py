@@ -2,9 +2,11 @@
 evaluation and gates) and reading one (loading.py: find, parse, and name the field and the
 fix when it is wrong)."""
 
+from .formats import PRESETS, Activations, SmoothQuant, Target
 from .loading import SHIPPED_RECIPES, find_recipe, load_recipe, parse_recipe
 from .schema import (
     CALIBRATED_METHODS,
+    DEFAULT_WORKLOADS,
     GPU_METHODS,
     CalibrationConfig,
     DType,
@@ -18,11 +20,13 @@ from .schema import (
     Role,
     Scheme,
     ServeGate,
+    SpeedGates,
     TaskGate,
+    Workload,
 )
 
 __all__ = [
-    "CALIBRATED_METHODS", "GPU_METHODS", "SHIPPED_RECIPES", "CalibrationConfig",
+    "CALIBRATED_METHODS", "GPU_METHODS", "PRESETS", "Activations", "SmoothQuant", "Target", "SHIPPED_RECIPES", "CalibrationConfig",
     "DType", "EvaluationConfig", "Gates", "Group", "KVCache", "Method", "Options", "Recipe",
-    "Role", "Scheme", "ServeGate", "TaskGate", "find_recipe", "load_recipe", "parse_recipe",
+    "DEFAULT_WORKLOADS", "Role", "Scheme", "ServeGate", "SpeedGates", "Workload", "TaskGate", "find_recipe", "load_recipe", "parse_recipe",
 ]  # fmt: skip

@@ -6,7 +6,8 @@ Top-level keys (all others are an error):
     dtype        bfloat16 | float16 | float32   -- for everything that stays unquantized
     groups       [{name, roles: [attention|mlp|experts|router|embeddings|lm_head],
                    targets: [...], exclude: [...], method: awq|gptq|autoround|rtn|none,
-                   scheme: {bits, symmetric, group_size, observer, on_indivisible},
+                   scheme: {preset | type, bits, symmetric, group_size, strategy, block,
+                            observer, on_indivisible, activations} (formats.py),
                    options: {...}}]
     others       error | keep      -- a Linear no group claims
     kv_cache     {scheme: fp8_e4m3, strategy: tensor, dynamic: false} | null
@@ -15,6 +16,9 @@ Top-level keys (all others are an error):
     evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit, task_batch_size,
                   max_overlap}
     gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {max_drop}}}
+    serve        {engine, kv_cache_dtype, max_kl, min_top1, max_kl_increase} | null
+    smoothquant  {strength} | null         -- SmoothQuant before the rounding (INT8 W8A8)
+    target       {engine: vllm, gpu: sm90} -- what the plan checks the formats against
 
 Targets are matched exactly as llm-compressor / compressed-tensors match them (the plan
 uses the library's own matcher, so plan and engine cannot disagree): `re:<regex>` is
@@ -34,6 +38,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .formats import Scheme, SmoothQuant, Target
+
 Method = Literal["awq", "gptq", "autoround", "rtn", "none"]
 # the methods whose rounding depends on calibration data (rtn and none do not)
 CALIBRATED_METHODS = ("awq", "gptq", "autoround")
@@ -48,28 +54,6 @@ _AUTOROUND_OPTIONS = {"iters"}
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
-
-
-class Scheme(_Strict):
-    """Integer weight scheme. group_size null = one scale per output channel."""
-
-    bits: Literal[4, 8] = 4
-    symmetric: bool = True
-    group_size: int | None = 128
-    # how the weight scales are chosen: null = the library default (min-max of each group);
-    # mse = llm-compressor's "mse" observer, a grid search over shrunken ranges that keeps
-    # the one with the least rounding error (clipping a few outliers buys finer steps)
-    observer: Literal["mse"] | None = None
-    # a module whose input width the group size does not divide: error (exit 2), or
-    # fallback to the largest group size >= 32 that divides it, else one scale per channel
-    on_indivisible: Literal["error", "fallback"] = "error"
-
-    @field_validator("group_size")
-    @classmethod
-    def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError("group_size must be a positive integer or null (per channel)")
-        return v
 
 
 class Options(_Strict):
@@ -140,6 +124,21 @@ class Group(_Strict):
         elif self.scheme is None:
             raise ValueError(
                 f"method '{self.method}' needs a `scheme` (bits, symmetric, group_size)"
+            )
+        sch = self.scheme
+        if sch is not None and sch.activations is not None and "embeddings" in self.roles:
+            raise ValueError(
+                "scheme.activations on a group with role embeddings: an embedding reads "
+                "token ids, not activations; move embeddings to a group without activations"
+            )
+        if (
+            sch is not None
+            and self.method in ("awq", "autoround")
+            and (sch.type == "float" or sch.activations is not None)
+        ):
+            raise ValueError(
+                f"method '{self.method}' writes integer weights without activation "
+                "quantization here; for FP8 or W8A8/W4A8 use method rtn (FP8) or gptq"
             )
         if self.method == "autoround" and self.scheme is not None and self.scheme.symmetric:
             raise ValueError(
@@ -222,6 +221,38 @@ class EvaluationConfig(_Strict):
     measured_topk: int = Field(default=32, ge=0, le=1024)
 
 
+class Workload(_Strict):
+    """One served-performance workload (`qship verify --perf`, `compare --serve vllm`):
+    requests of prompt_len random tokens generating exactly output_len tokens, with at most
+    `concurrency` in flight (vLLM's `bench serve`)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    prompt_len: int = Field(gt=0, le=1_048_576)
+    output_len: int = Field(gt=0, le=1_048_576)
+    concurrency: int = Field(gt=0, le=4096)
+    # requests per repeat; null: 8 per stream, at least 16 (enough for p99 to mean something)
+    num_prompts: int | None = Field(default=None, gt=0, le=100_000)
+
+    def prompts(self) -> int:
+        return self.num_prompts or max(16, 8 * self.concurrency)
+
+
+DEFAULT_WORKLOADS = [
+    Workload(name="1-stream", prompt_len=256, output_len=128, concurrency=1),
+    Workload(name="64-streams", prompt_len=1024, output_len=256, concurrency=64),
+]
+
+
+class SpeedGates(_Strict):
+    """Served-speed limits per workload name, relative to the 16-bit reference measured in
+    the same run on the same GPU (exit 4 when missed)."""
+
+    # candidate output tokens/s over the reference's, at least
+    min_speedup: dict[str, float] = Field(default_factory=dict)
+    # candidate time to first token, p99, at most (milliseconds)
+    max_ttft_ms: dict[str, float] = Field(default_factory=dict)
+
+
 class ServeGate(_Strict):
     """The served-artifact check run by `qship run` when the engine is there (else it is
     reported as not run) and by `qship verify --serve`: exit 4 beyond these."""
@@ -237,6 +268,25 @@ class ServeGate(_Strict):
     min_top1: float = Field(default=0.90, ge=0, le=1)
     # KL(ref || served) / KL(ref || measured) - 1: how much worse served is than claimed
     max_kl_increase: float = Field(default=0.05, ge=0)
+    # served performance (`--perf`): workloads run through vLLM's own benchmark, each
+    # `repeats` times after a warm-up, reference and candidate alike
+    workloads: list[Workload] = Field(default_factory=lambda: list(DEFAULT_WORKLOADS),
+                                      min_length=1)  # fmt: skip
+    repeats: int = Field(default=3, ge=1, le=20)
+    seed: int = 0
+    gates: SpeedGates = Field(default_factory=SpeedGates)
+
+    @model_validator(mode="after")
+    def _named(self) -> ServeGate:
+        names = [w.name for w in self.workloads]
+        if len(set(names)) != len(names):
+            raise ValueError("serve.workloads: two workloads share a name")
+        for field in ("min_speedup", "max_ttft_ms"):
+            for n in getattr(self.gates, field):
+                if n not in names:
+                    raise ValueError(f"serve.gates.{field}.{n}: no workload named {n!r} "
+                                     f"(workloads: {', '.join(names)})")  # fmt: skip
+        return self
 
 
 class TaskGate(_Strict):
@@ -274,6 +324,10 @@ class Recipe(_Strict):
     serve: ServeGate | None = None
     # a Linear module that no group claims: error (exit 2, naming it), or keep it 16-bit
     others: Literal["error", "keep"] = "error"
+    # SmoothQuant before the rounding (for INT8 activations); null = none
+    smoothquant: SmoothQuant | None = None
+    # the engine and GPU the checkpoint is for: the plan refuses what they cannot run fast
+    target: Target = Field(default_factory=Target)
 
     # where it was read from (for error messages); not part of the hash
     _path: str | None = None
@@ -313,7 +367,19 @@ class Recipe(_Strict):
         return any(g.method in GPU_METHODS for g in self.groups)
 
     def needs_calibration(self) -> bool:
-        return self.kv_cache is not None or any(g.method in CALIBRATED_METHODS for g in self.groups)
+        """False for a data-free recipe (RTN weights, dynamic or no activation scales, no
+        KV-cache scales, no SmoothQuant): quantize reads no calibration text."""
+        static_act = any(g.scheme and g.scheme.activations and not g.scheme.activations.dynamic
+                         for g in self.groups)  # fmt: skip
+        return (
+            self.kv_cache is not None
+            or self.smoothquant is not None
+            or static_act
+            or any(g.method in CALIBRATED_METHODS for g in self.groups)
+        )
+
+    def quantizes_activations(self) -> bool:
+        return any(g.scheme and g.scheme.activations for g in self.groups)
 
     def to_json(self) -> dict:
         return {**self.resolved(), "hash": self.hash(), "path": self._path}

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from ..io.hashing import FileDigest
 from .base import SCHEMA_VERSION, Record
 from .checkpoint import PeakMemory
+from .perf import ServedPerf, perf_lines
 from .served import ServedCheck
 from .tokens import TokenSetInfo
 
@@ -153,6 +154,8 @@ class VerifyReport(Record):
     """What was not checked and why."""
     served: ServedCheck | None = None
     """`--serve ENGINE`: the artifact as that engine serves it vs the measured model."""
+    served_perf: ServedPerf | None = None
+    """`--perf`: served speed and memory beside the 16-bit reference, same run, same GPU."""
 
     def summary(self) -> str:
         lines = [f"verify {self.path}: OK ({self.files} files, {self.tensors} tensors)"]
@@ -160,4 +163,6 @@ class VerifyReport(Record):
         lines += [f"  ! {w}" for w in self.warnings]
         if self.served is not None:
             lines.append("  " + self.served.summary().replace("\n", "\n  "))
+        if self.served_perf is not None:
+            lines += ["  " + ln for ln in perf_lines(self.served_perf)]
         return "\n".join(lines)

@@ -118,6 +118,8 @@ class QuantizeSummary(Record):
     """Peak memory of quantize (see peak_mem_kind)."""
     peak_mem_kind: Literal["cuda_max_allocated", "process_peak_rss"]
     """cuda_max_allocated (GPU, per quantize) or process_peak_rss (CPU, a high-water mark of the process)."""
+    formats: list[str] = []
+    """The weight and activation formats of its quantized Linears (W4A16, W8A8-FP8 ...)."""
 
 
 class QuantizedCheckpoint(Record):
@@ -185,6 +187,7 @@ class QuantizedCheckpoint(Record):
             seconds=self.timings.total,
             peak_mem_bytes=peak,
             peak_mem_kind=kind,
+            formats=sorted({m.scheme.format_label() for m in self.plan.modules if m.scheme}),
         )
 
     def write(self, folder: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from ..recipe import EvaluationConfig
 from .base import SCHEMA_VERSION, Record
 from .checkpoint import QuantizeSummary
+from .perf import ServedPerf
 from .served import MeasuredInfo, ServedCheck
 from .verdict import Verdict
 
@@ -218,6 +219,8 @@ class CandidateRef(ModelRef):
     """The candidate's quantization_config.kv_cache_scheme."""
     kv_hooked_attention_modules: int = 0
     """Attention modules carrying compressed-tensors' KV quantization hook when evaluated."""
+    served_linear_modules: int = 0
+    """Linear modules evaluated with vLLM's activation rounding (W8A8, W4A8: numerics.py)."""
 
 
 class CorpusRef(Record):
@@ -332,6 +335,8 @@ class EvalReport(Record):
     """The served-artifact check (recipe `serve:`), when it ran."""
     served_skipped: str | None = None
     """Why the recipe's served check did not run (its engine absent here)."""
+    served_perf: ServedPerf | None = None
+    """Served speed and memory beside the reference (`--perf`, `compare --serve vllm`)."""
     timings: dict[str, float] = {}
     """Seconds per step."""
 

@@ -12,27 +12,84 @@ from .estimate import ResourceEstimate
 Method = Literal["awq", "gptq", "autoround", "rtn", "none"]
 
 
+class ActivationScheme(Record):
+    """Input activations quantized at inference (the serving kernel's input quantization)."""
+
+    type: Literal["float", "int"]
+    """float (FP8 e4m3) or int (INT8)."""
+    bits: int
+    """8."""
+    strategy: Literal["token", "tensor", "group"]
+    """One scale per token, per tensor, or per group of a token's values."""
+    dynamic: bool
+    """Scales computed on the fly (true) or calibrated and stored as input_scale."""
+    group_size: int | None = None
+    """Values per scale (strategy group)."""
+
+    def label(self) -> str:
+        kind = "fp8" if self.type == "float" else f"int{self.bits}"
+        how = f"g{self.group_size}" if self.strategy == "group" else self.strategy
+        return f"{kind} act/{how}" + ("" if self.dynamic else " static")
+
+
 class ModuleScheme(Record):
-    """An integer weight scheme as it applies to one module (group size resolved)."""
+    """A weight scheme as it applies to one module (group size resolved), with the input
+    activations the serving kernel quantizes (null: 16-bit activations)."""
 
     bits: int
     """Bits per weight value (4 or 8)."""
     symmetric: bool
     """Symmetric (no zero point) or asymmetric (a zero point per group)."""
     group_size: int | None
-    """Weights per scale along the input dimension; null = one scale per output channel."""
+    """Weights per scale along the input dimension (strategy group); null otherwise."""
     observer: str | None = None
     """How scales are chosen: null = min-max of each group; mse = llm-compressor's MSE
     search over shrunken ranges."""
+    type: Literal["int", "float"] = "int"
+    """int (packed or int8) or float (FP8 e4m3)."""
+    strategy: Literal["group", "channel", "tensor", "block"] = "group"
+    """One scale per group, output channel, tensor or block."""
+    block: list[int] | None = None
+    """[rows, columns] per scale (strategy block)."""
+    activations: ActivationScheme | None = None
+    """The input activations' quantization; null = 16-bit."""
 
     def label(self) -> str:
-        kind = "sym" if self.symmetric else "asym"
-        grp = f"g{self.group_size}" if self.group_size else "per-channel"
-        return f"int{self.bits} {kind} {grp}" + (f" {self.observer}" if self.observer else "")
+        if self.type == "float":
+            grp = {"channel": "per-channel", "tensor": "per-tensor"}.get(
+                self.strategy, f"block{'x'.join(map(str, self.block or []))}"
+            )
+            out = f"fp8 {grp}"
+        else:
+            kind = "sym" if self.symmetric else "asym"
+            grp = {"group": f"g{self.group_size}", "tensor": "per-tensor"}.get(
+                self.strategy, "per-channel"
+            )
+            out = f"int{self.bits} {kind} {grp}"
+        out += f" {self.observer}" if self.observer else ""
+        return out + (f" + {self.activations.label()}" if self.activations else "")
 
     def stored(self) -> str:
-        """How the weight is stored (the observer only chose the values)."""
+        """How the weight is stored and run (the observer only chose the values)."""
         return self.model_copy(update={"observer": None}).label()
+
+    def saved_format(self) -> str:
+        """The compressed-tensors format the weight is saved in: packed int words, int8 or
+        FP8 values. W4A8-FP8 is packed (vLLM's CUTLASS W4A8 reads weight_packed), though
+        compressed-tensors 0.19 would store it as int8 (modifiers.py sets the format)."""
+        a = self.activations
+        if self.type == "float":
+            return "float-quantized" if a else "naive-quantized"
+        if a is not None and (a.type == "int" or self.bits == 8):
+            return "int-quantized"
+        return "pack-quantized"
+
+    def format_label(self) -> str:
+        """W4A16, W8A16-FP8, W8A8-INT8, W8A8-FP8, W4A8-FP8 ..."""
+        a = self.activations
+        if a is None:
+            return f"W{self.bits}A16" + ("-FP8" if self.type == "float" else "")
+        return f"W{self.bits}A8-" + ("FP8" if a.type == "float" else "INT8")
 
 
 class ModulePlan(Record):
@@ -110,6 +167,8 @@ class Plan(Record):
     """Every Linear module, in module order."""
     mappings: list[MappingPlan]
     """The AWQ smoothing mappings for the AWQ groups (empty without AWQ)."""
+    smoothquant: list[MappingPlan] = []
+    """SmoothQuant's norm mappings (recipe `smoothquant`), applied or skipped with why."""
     kv_cache: KVCache | None
     """The KV-cache scheme, or null for a 16-bit KV cache."""
     decoder_layers: list[str]

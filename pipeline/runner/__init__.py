@@ -246,7 +246,7 @@ def measure(
     chain `qship run` and `qship compare` share."""
     qc, qkey = quantize_stage(snap, recipe, tokens, ctx, layers=layers)
     report = evaluate_stage(snap, qc, qkey, recipe, tokens, evdata, ctx)
-    report = serve_stage(qc, report, recipe, ctx)
+    report = serve_stage(qc, report, recipe, ctx, reference=snap.path)
     return qc, qkey, report, gate_stage(report, recipe, ctx)
 
 

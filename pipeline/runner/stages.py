@@ -18,9 +18,10 @@ from ..errors import StageError
 from ..io.cache import StageCache, stage_key
 from ..io.pins import checksums_dir
 from ..model.devices import device_kind
-from ..recipe import Recipe
+from ..recipe import Recipe, ServeGate
 from ..records.checkpoint import QuantizedCheckpoint
 from ..records.evaluation import EvalOptions, EvalReport, ModelRef, Overlap
+from ..records.perf import ServedPerf
 from ..records.plan import Plan
 from ..records.run import StageRow
 from ..records.snapshot import Snapshot
@@ -50,6 +51,10 @@ class Context:
     torchrun_args: tuple[str, ...] = ()  # rendezvous flags for several nodes
     exact_kl: bool = False  # evaluate with the full-vocabulary KL (lockstep; no served check)
     gpu_memory: int | None = None  # --gpu-memory: the GPU bytes this run may use
+    perf: bool = False  # served performance through vLLM's benchmark (--perf, compare --serve)
+    perf_raw: Path | None = None  # where each benchmark pass's raw JSON is kept
+    serve_engine: str | None = None  # served check + perf for recipes without `serve:`
+    perf_ref: dict[str, Any] = field(default_factory=dict)  # the reference's runs, once
     rows: list[StageRow] = field(default_factory=list)
 
     @property
@@ -249,13 +254,15 @@ def evaluate_stage(
 
 
 def serve_stage(
-    qc: QuantizedCheckpoint, report: EvalReport, recipe: Recipe, ctx: Context
-) -> EvalReport:
-    """The recipe's served check on the quantized checkpoint, when its engine is here."""
+    qc: QuantizedCheckpoint, report: EvalReport, recipe: Recipe, ctx: Context,
+    reference: Path | None = None,
+) -> EvalReport:  # fmt: skip
+    """The recipe's served check on the quantized checkpoint, when its engine is here; with
+    --perf (or speed gates in the recipe), its served speed beside the reference's."""
     from ..evaluate.engines import unavailable
     from ..evaluate.served import run_check
 
-    sg = recipe.serve
+    sg = recipe.serve or (ServeGate(engine=ctx.serve_engine) if ctx.serve_engine else None)
     if sg is None:
         return report
     with ctx.stage("serve") as line:
@@ -264,17 +271,34 @@ def serve_stage(
         )
         if reason is not None:
             line.note = f"not run: {reason}"
-            return report.model_copy(update={"served_skipped": reason})
-        assert report.measured is not None
-        chk = run_check(qc.path, Path(report.measured.file), sg, device=ctx.device,
-                        sha256=report.measured.sha256)  # fmt: skip
-        line.note = chk.summary().splitlines()[0]
-    return report.model_copy(update={"served": chk})
+            report = report.model_copy(update={"served_skipped": reason})
+        else:
+            assert report.measured is not None
+            chk = run_check(qc.path, Path(report.measured.file), sg, device=ctx.device,
+                            sha256=report.measured.sha256)  # fmt: skip
+            line.note = chk.summary().splitlines()[0]
+            report = report.model_copy(update={"served": chk})
+    wanted = ctx.perf or sg.gates.min_speedup or sg.gates.max_ttft_ms
+    if reference is not None and wanted and unavailable(sg.engine) is None:
+        from ..evaluate import perf
+
+        with ctx.stage("perf") as line:
+            runner = perf.runner_for(sg.engine)()
+            res = perf.measure(qc.path, reference, sg, runner, raw_dir=ctx.perf_raw,
+                               ref_runs=ctx.perf_ref)  # fmt: skip
+            line.note = perf_summary(res)
+        report = report.model_copy(update={"served_perf": res})
+    return report
+
+
+def perf_summary(p: ServedPerf) -> str:
+    return ", ".join(f"{w.name} {w.speedup:.2f}x ({w.candidate.output_tok_s:.0f} tok/s)"
+                     for w in p.workloads) + f" on {p.gpu}"  # fmt: skip
 
 
 def gate_stage(report: EvalReport, recipe: Recipe, ctx: Context) -> Verdict:
     with ctx.stage("gate") as line:
-        verdict = gate.check(report, recipe.gates)
+        verdict = gate.check(report, recipe.gates, recipe.serve.gates if recipe.serve else None)
         n = len(verdict.checks)
         line.note = f"{'PASSED' if verdict.passed else 'FAILED'} ({n} check{'s' * (n != 1)})"
     for row in verdict.summary().splitlines()[1:]:

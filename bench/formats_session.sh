@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# H200 session for the activation formats (issue 29) and served speed (issue 30). Inputs
+# travel as in frontier_session.sh: qship's wheels (.whl), the corpus and recipes (.qship-gpu,
+# `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/formats/*.yaml
+# bench/recipes/perf/*.yaml`), the Gemma GGUF in .devstash2..6, the Qwen2.5-Coder-0.5B GGUF
+# in .devstash-q0..9, vLLM 0.26 (pack_vllm.sh) in .devstash7 (p1) and .devstash8 (p2), one
+# carry of <= 52 MB per call, moved into /root/stash at once.
+#   stage    install / stash what was carried
+#   start-r8b / start-gemma / start-qwen / start-final  each job as soon as its inputs are in
+#            (setsid: they outlive the call; r8b in the first call), every row's JSON written
+#            to $S/rows as it completes:
+#              gemma, qwen  `qship run` of the five recipes of bench/recipes/formats (the four
+#                           formats + the W4A16 twin of W4A8), no served check yet
+#              r8b          a random Llama-3-8B-dims model, `qship quantize` with the data-free
+#                           RTN recipes of bench/recipes/perf (speed needs no trained weights)
+#            then, alone on the GPU: `qship verify --serve vllm` of the eight new-format
+#            artifacts, then served speed (bench/perf_bench.py) of the 8B checkpoints and of
+#            Qwen's artifacts beside their 16-bit references
+#   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
+set -uo pipefail
+S=/root/stash
+OUT=${OUT:-/tmp/out}
+mkdir -p "$S" "$OUT" "$S/rows"
+export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+G=$S/gemma-3-270m-q4_k_m.gguf
+QG=$S/qwen.gguf
+L=.qship-gpu/recipes
+Q="python3 -m pipeline.cli"
+RECIPES="fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8 w4a16-gptq"
+PERF="rtn-w4a16 fp8-dynamic-rtn w8a8-int8-rtn w4a8-fp8-rtn"
+
+link() { [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu; }
+bg() {  # JOB in the background, outliving the call; $S/JOB.done when it ends
+  setsid nohup bash -c "bash bench/formats_session.sh run-$1 > $S/$1.log 2>&1; touch $S/$1.done" > /dev/null 2>&1 &
+}
+
+quality() {  # TAG GGUF: fetch (the reference folder), then each recipe; rows as they finish
+  local t=$1 m=$2
+  $Q fetch "$m" --cache-dir "$S/cache-$t" --json > "$S/rows/$t-fetch.json" 2> "$S/$t-fetch.log"
+  for r in $RECIPES; do
+    $Q run --model "$m" --recipe "$L/$r-h200.yaml" --out "$S/art-$t-$r" --cache-dir "$S/cache-$t" \
+      --device cuda --json > "$S/rows/$t-$r-run.json" 2> "$S/$t-$r.log"
+    echo "== $t $r rc $?"
+    cp "$S/art-$t-$r.report/eval.json" "$S/rows/$t-$r-eval.json" 2>/dev/null
+  done
+}
+
+r8b() {  # the random 8B and its data-free checkpoints, quantized at once
+  [ -f "$S/r8b/config.json" ] || python3 bench/make_random_llama.py "$S/r8b" || exit 1
+  for r in $PERF; do  # two at a time (host memory: the 16 GB model is read by each)
+    ( $Q quantize --model "$S/r8b" --recipe "$L/$r.yaml" --out "$S/r8b-$r" --cache-dir "$S/cache-r8b" \
+        --device cuda --json > "$S/rows/r8b-$r-quantize.json" 2> "$S/r8b-$r.log"; echo "== r8b $r rc $?" ) &
+    [ "$r" = fp8-dynamic-rtn ] && wait
+  done
+  wait
+}
+
+served() {  # after the quality jobs: vLLM serves each new-format artifact, one at a time
+  for t in gemma qwen; do
+    for r in fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8; do
+      [ -d "$S/art-$t-$r" ] || continue
+      QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify "$S/art-$t-$r" --serve vllm --serve-kv auto --json \
+        > "$S/rows/$t-$r-served.json" 2> "$S/$t-$r-served.log"
+      echo "== served $t $r rc $?"
+    done
+  done
+}
+
+speed() {  # alone on the GPU: the 8B checkpoints, then Qwen's artifacts
+  local c=""
+  for r in $PERF; do [ -f "$S/r8b-$r/config.json" ] && c="$c $r=$S/r8b-$r"; done
+  QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py --reference "$S/r8b" --out "$S/rows/perf-r8b" \
+    --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-2}" $c
+  echo "== perf r8b rc $?"
+  local ref
+  ref=$(python3 -c "import json;print(json.load(open('$S/rows/qwen-fetch.json'))['path'])" 2>/dev/null)
+  c=""
+  for r in fp8-dynamic w8a8-int8-sq w4a8-fp8 w4a16-gptq; do [ -d "$S/art-qwen-$r" ] && c="$c $r=$S/art-qwen-$r"; done
+  [ -n "$ref" ] && QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py --reference "$ref" \
+    --out "$S/rows/perf-qwen" --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-2}" $c
+  echo "== perf qwen rc $?"
+}
+
+case "$1" in
+stage)  # the same staging as the frontier session
+  bash bench/frontier_session.sh stage
+  python3 -c "import aiohttp; print('aiohttp', aiohttp.__version__)" 2>&1 | tail -1; df -h /root | tail -1
+  ;;
+start-r8b)  # call 1: needs only the wheels and the recipes
+  link; bg r8b
+  ;;
+start-gemma)  # once the Gemma parts are in
+  link; [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
+  rm -f "$S"/*.part0*; bg gemma
+  ;;
+start-qwen)
+  link; [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
+  rm -f "$S"/qwen/*.part0*; bg qwen
+  ;;
+start-final)  # the last vLLM part in: its environment, then served checks and speed, alone
+  link; OUT=$S bash bench/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
+  setsid nohup bash -c "while [ ! -f $S/gemma.done ] || [ ! -f $S/qwen.done ] || [ ! -f $S/r8b.done ]; do sleep 3; done;
+    bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done;
+    bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done" > /dev/null 2>&1 &
+  sleep 2; tail -3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
+  ;;
+run-gemma) link; quality gemma "$G" ;;
+run-qwen) link; quality qwen "$QG" ;;
+run-r8b) link; r8b ;;
+run-served) link; served ;;
+run-speed) link; speed ;;
+collect)
+  if [ "${WAIT:-0}" = 1 ]; then
+    for j in ${JOBS:-speed}; do while [ ! -f "$S/$j.done" ]; do sleep 5; done; done
+  fi
+  for j in gemma qwen r8b served speed; do
+    echo "## $j $([ -f $S/$j.done ] && echo done)"; grep -E "^==|FAILED|Error" "$S/$j.log" 2>/dev/null | tail -12
+  done
+  for f in "$S"/*-served.log "$S"/gemma-*.log "$S"/qwen-*.log; do
+    grep -v "Warning\|warn(\|it/s\]\|s/it\]" "$f" 2>/dev/null | tail -30 | sed "s|^|$(basename "$f"): |"
+  done > "$OUT/tails.log"
+  (cd "$S/rows" && tar czf "$OUT/rows.tgz" .)
+  ls -la "$OUT"; nvidia-smi --query-gpu=memory.used --format=csv,noheader; df -h /root | tail -1
+  ;;
+esac

@@ -1,0 +1,100 @@
+"""Served performance: what a recipe buys in speed and memory, measured with vLLM's own
+benchmark (`vllm bench serve`) for the candidate and its 16-bit reference in one run on one
+GPU (pipeline/evaluate/perf.py)."""
+
+from __future__ import annotations
+
+from .base import Record
+
+
+class PerfFigures(Record):
+    """One model on one workload: the median over the repeats, and each repeat's figures."""
+
+    output_tok_s: float
+    """Output tokens per second (vLLM's output_throughput), median of the repeats."""
+    ttft_p50_ms: float
+    """Time to first token, median request, ms."""
+    ttft_p99_ms: float
+    """Time to first token, 99th-percentile request, ms."""
+    tpot_p50_ms: float
+    """Time per output token after the first, median request, ms."""
+    tpot_p99_ms: float
+    """Time per output token, 99th-percentile request, ms."""
+    repeats: list[dict[str, float]] = []
+    """Each repeat's output_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms."""
+
+
+class WorkloadPerf(Record):
+    name: str
+    """The workload's name (recipe serve.workloads)."""
+    prompt_len: int
+    """Prompt tokens per request (random tokens)."""
+    output_len: int
+    """Generated tokens per request (EOS ignored)."""
+    concurrency: int
+    """Requests in flight at most."""
+    num_prompts: int
+    """Requests per repeat."""
+    reference: PerfFigures
+    """The 16-bit reference, same run, same GPU."""
+    candidate: PerfFigures
+    """The quantized artifact."""
+
+    @property
+    def speedup(self) -> float:
+        """Candidate output tokens/s over the reference's."""
+        r = self.reference.output_tok_s
+        return self.candidate.output_tok_s / r if r > 0 else float("nan")
+
+
+class ModelServing(Record):
+    """What the engine reported about one model while serving it."""
+
+    weights_gib: float | None = None
+    """GPU memory of the loaded weights ("Model loading took X GiB")."""
+    kv_cache_tokens: int | None = None
+    """KV-cache capacity in tokens at the run's gpu_memory_utilization."""
+    kernels: dict[str, str] = {}
+    """{quantization scheme: kernel} from the engine's log (Machete, CUTLASS FP8, ...)."""
+
+
+class ServedPerf(Record):
+    """`qship verify --perf` / `qship compare --serve vllm`: served speed and memory."""
+
+    engine: str
+    """Engine and version (vllm 0.26.0)."""
+    gpu: str
+    """The GPU it ran on."""
+    gpu_memory_utilization: float
+    """The share of GPU memory the engine was given (the KV capacity depends on it)."""
+    workloads: list[WorkloadPerf]
+    """One per recipe workload."""
+    reference: ModelServing
+    """The reference's memory and kernels."""
+    candidate: ModelServing
+    """The candidate's memory and kernels."""
+    command: str = ""
+    """The benchmark command line of one repeat (workload values filled in)."""
+
+    def by_name(self) -> dict[str, WorkloadPerf]:
+        return {w.name: w for w in self.workloads}
+
+
+def perf_lines(p: ServedPerf) -> list[str]:
+    """Plain lines for a terminal or a log: one per workload, then memory and kernels."""
+    out = [f"served performance ({p.engine}, {p.gpu}; median of the repeats):"]
+    for w in p.workloads:
+        c, r = w.candidate, w.reference
+        out.append(
+            f"  {w.name:<12} {w.speedup:5.2f}x  {c.output_tok_s:8.0f} tok/s (ref {r.output_tok_s:.0f})"
+            f"  TTFT p50/p99 {c.ttft_p50_ms:.1f}/{c.ttft_p99_ms:.1f} ms (ref "
+            f"{r.ttft_p50_ms:.1f}/{r.ttft_p99_ms:.1f})  TPOT p50 {c.tpot_p50_ms:.2f} ms "
+            f"(ref {r.tpot_p50_ms:.2f})"
+        )
+    rc, cc = p.reference, p.candidate
+    if rc.weights_gib is not None and cc.weights_gib is not None:
+        out.append(f"  weights {cc.weights_gib:.2f} GiB (ref {rc.weights_gib:.2f}); KV cache "
+                   f"{cc.kv_cache_tokens or 0:,} tokens (ref {rc.kv_cache_tokens or 0:,})")  # fmt: skip
+    if cc.kernels:
+        out.append("  kernels: " + ", ".join(f"{s} -> {k}" for s, k in sorted(cc.kernels.items())))
+    return out
