@@ -1,0 +1,193 @@
+"""Served performance (pipeline/evaluate/perf.py) without a GPU: a fake runner returns vLLM
+benchmark output in the format vLLM 0.26's `vllm bench serve --save-result` writes
+(tests/fixtures/vllm_bench: per model, workload and repeat, and the server logs), and
+everything after it -- the figures, the speed gates, the workload schema, the comparison
+report and the model card -- runs for real."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_run import qship
+from factories import eval_file
+
+from pipeline import gate
+from pipeline.compare.output import PERF_FILES, write_report
+from pipeline.compare.report import fastest, recommendation, summarise_rows
+from pipeline.compare.rows import row
+from pipeline.errors import RecipeError, StageError, UsageError
+from pipeline.evaluate import perf
+from pipeline.recipe import ServeGate, SpeedGates, load_recipe, parse_recipe
+from pipeline.records import Check, Verdict
+
+FIX = Path(__file__).parent / "fixtures" / "vllm_bench"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class RecordedRunner:
+    """Returns the recorded result JSONs and server log of 'reference' or 'candidate'
+    (by the model folder's name), as VllmBench would after serving it."""
+
+    def __init__(self, scale: dict[str, float] | None = None) -> None:
+        self.calls: list[str] = []
+        self.scale = scale or {}
+
+    def run(self, model_dir, label, cfg, raw_dir):
+        who = "reference" if label == "reference" else "candidate"
+        self.calls.append(label)
+        res = {}
+        for w in cfg.workloads:
+            runs = []
+            for r in range(cfg.repeats):
+                d = json.loads((FIX / f"{who}-{w.name}-{r}.json").read_text())
+                f = self.scale.get(Path(model_dir).name, 1.0) if who == "candidate" else 1.0
+                d["output_throughput"] *= f
+                runs.append(d)
+            res[w.name] = runs
+        return perf.ServedRun(engine="vllm 0.26.0", gpu="NVIDIA H200", results=res,
+                              log=(FIX / f"{who}-server.log").read_text())  # fmt: skip
+
+
+def _recorded(who: str, wl: str, key: str) -> float:
+    return statistics.median(
+        json.loads((FIX / f"{who}-{wl}-{r}.json").read_text())[key] for r in range(3)
+    )
+
+
+def test_figures_are_the_medians_of_the_recorded_runs(tmp_path):
+    cfg = ServeGate()
+    res = perf.measure(tmp_path / "candidate", tmp_path / "reference", cfg, RecordedRunner())
+    assert [w.name for w in res.workloads] == ["1-stream", "64-streams"]
+    for w in res.workloads:
+        for who in ("reference", "candidate"):
+            f = getattr(w, who)
+            assert f.output_tok_s == _recorded(who, w.name, "output_throughput")
+            assert f.ttft_p99_ms == _recorded(who, w.name, "p99_ttft_ms")
+            assert f.tpot_p50_ms == _recorded(who, w.name, "p50_tpot_ms")
+            assert len(f.repeats) == 3
+        assert w.speedup == pytest.approx(
+            _recorded("candidate", w.name, "output_throughput")
+            / _recorded("reference", w.name, "output_throughput")
+        )
+    assert res.reference.weights_gib == pytest.approx(14.9878)
+    assert res.candidate.kv_cache_tokens == 1_011_696
+    assert res.candidate.kernels == {"CompressedTensorsWNA16": "MacheteLinearKernel"}
+    assert res.workloads[1].num_prompts == 8 * 64  # 8 per stream by default
+
+
+def test_the_reference_is_served_once_for_several_candidates(tmp_path):
+    runner, refs = RecordedRunner(), {}
+    for name in ("a", "b"):
+        perf.measure(tmp_path / name, tmp_path / "reference", ServeGate(), runner, ref_runs=refs)
+    assert runner.calls == ["reference", "candidate-a", "candidate-b"]
+
+
+def test_a_run_that_lost_requests_or_figures_is_an_error(tmp_path):
+    class Lossy(RecordedRunner):
+        def run(self, model_dir, label, cfg, raw_dir):
+            out = super().run(model_dir, label, cfg, raw_dir)
+            out.results["1-stream"][0]["completed"] = 3
+            return out
+
+    with pytest.raises(StageError, match="completed"):
+        perf.measure(tmp_path / "c", tmp_path / "r", ServeGate(), Lossy())
+
+    class NoP99(RecordedRunner):
+        def run(self, model_dir, label, cfg, raw_dir):
+            out = super().run(model_dir, label, cfg, raw_dir)
+            del out.results["64-streams"][1]["p99_ttft_ms"]
+            return out
+
+    with pytest.raises(StageError, match="p99_ttft_ms"):
+        perf.measure(tmp_path / "c", tmp_path / "r", ServeGate(), NoP99())
+
+
+def test_speed_gates_pass_fail_and_fail_closed(tmp_path):
+    res = perf.measure(tmp_path / "c", tmp_path / "r", ServeGate(), RecordedRunner())
+    s1 = res.by_name()["1-stream"].speedup
+    ok = gate.speed_checks(res, SpeedGates(min_speedup={"1-stream": s1 - 0.01},
+                                           max_ttft_ms={"64-streams": 1e4}))  # fmt: skip
+    assert all(c.passed for c in ok) and len(ok) == 2
+    bad = gate.speed_checks(res, SpeedGates(min_speedup={"64-streams": 2.0}))
+    assert not bad[0].passed and bad[0].value == pytest.approx(res.workloads[1].speedup)
+    missing = gate.speed_checks(None, SpeedGates(min_speedup={"1-stream": 1.0}))
+    assert not missing[0].passed and "not measured" in missing[0].note
+
+
+def test_bad_workloads_exit_2_naming_the_field(tmp_path, tiny_llama, capsys):
+    d = yaml.safe_load((ROOT / "recipes" / "fp8-dynamic.yaml").read_text())
+    d["serve"] = {"engine": "vllm", "workloads": [
+        {"name": "w", "prompt_len": 8, "output_len": 8, "concurrency": 0}]}  # fmt: skip
+    with pytest.raises(RecipeError, match=r"serve\.workloads\[0\]\.concurrency"):
+        parse_recipe(d, path="r.yaml")
+    d["serve"]["workloads"] = [{"name": "long", "prompt_len": 500, "output_len": 64,
+                                "concurrency": 4}]  # fmt: skip
+    p = tmp_path / "long.yaml"
+    p.write_text(yaml.safe_dump(d))
+    rc, out = qship(capsys, "plan", "--model", str(tiny_llama), "--recipe", str(p))
+    assert rc == 2 and "serve.workloads[0]" in out["message"] and "512" in out["message"]
+    d["serve"]["gates"] = {"min_speedup": {"nope": 1.2}}
+    with pytest.raises(RecipeError, match="no workload named 'nope'"):
+        parse_recipe(d, path="r.yaml")
+    # the default workloads are checked when they are served, against the model's context
+    cfg = load_recipe(ROOT / "recipes" / "fp8-dynamic.yaml").serve or ServeGate()
+    with pytest.raises(UsageError, match=r"serve\.workloads\[1\].*512"):
+        perf.measure(tiny_llama, tiny_llama, cfg, RecordedRunner())
+
+
+def test_verify_perf_needs_vllm_and_the_reference(tmp_path, capsys):
+    rc, out = qship(capsys, "verify", str(tmp_path), "--perf")
+    assert rc == 2 and "--reference" in out["message"]
+
+
+def _ev(name, bits, scale, passed, res=None, seed=0):
+    ev = eval_file(name, bits, scale, None, seed=seed)
+    check = Check(name="kl_mean_max", value=ev.metrics.kl.mean, limit=0.3, op="<=", passed=passed)
+    ev = ev.model_copy(update={"verdict": Verdict(passed=passed, checks=[check])})
+    if res is not None:
+        ev = ev.model_copy(update={"served_perf": res})
+    q = ev.quantize.model_copy(update={"formats": {"fp8": ["W8A8-FP8"], "w4": ["W4A16"]}
+                                       .get(name.split("-")[0], ["W4A16"])})  # fmt: skip
+    return ev.model_copy(update={"quantize": q})
+
+
+def test_compare_report_recommends_per_workload(tmp_path):
+    runner = RecordedRunner(scale={"fp8": 0.6, "w4": 1.0, "bad": 3.0})
+    refs: dict = {}
+    res = {n: perf.measure(tmp_path / n, tmp_path / "ref", ServeGate(), runner, ref_runs=refs)
+           for n in ("fp8", "w4", "bad")}  # fmt: skip
+    rows = [row(_ev("fp8-dynamic", 8.1, 0.01, True, res["fp8"], 0)),
+            row(_ev("w4-g128", 4.1, 0.17, True, res["w4"], 1)),
+            row(_ev("bad-w4", 4.1, 0.9, False, res["bad"], 2))]  # fmt: skip
+    rep = summarise_rows(rows)
+    # the failing recipe is the fastest, and is never recommended
+    assert fastest(rows) == {"1-stream": "w4-g128", "64-streams": "w4-g128"}
+    words = recommendation(rep)
+    assert "Fastest passing recipe per workload (NVIDIA H200, vllm 0.26.0)" in words
+    assert "1-stream: **w4-g128** (W4A16), 1.75x" in words
+    out = write_report(rows, tmp_path / "rep")
+    md = (tmp_path / "rep" / "compare.md").read_text()
+    assert "1-stream speed-up" in md and "| formats |" in md and "W8A8-FP8" in md
+    assert "speed:64-streams" in (tmp_path / "rep" / "compare.csv").read_text()
+    for f in PERF_FILES:
+        assert (tmp_path / "rep" / f).read_bytes()[:4] == b"\x89PNG"
+    assert out["fastest"]["64-streams"] == "w4-g128"
+
+
+def test_model_card_states_the_served_speed(tmp_path):
+    from pipeline.artifact import model_card
+
+    res = perf.measure(tmp_path / "c", tmp_path / "r", ServeGate(), RecordedRunner())
+    ev = _ev("w4-g128", 4.1, 0.17, True, res)
+    recipe = load_recipe(ROOT / "recipes" / "gptq-w4.yaml")
+    card = model_card.render(name="x", source=None, recipe=recipe,
+                             quantization_config={"quant_method": "compressed-tensors"},
+                             evaluation=ev)  # fmt: skip
+    assert "## Served speed (vllm 0.26.0, NVIDIA H200)" in card
+    assert "| 1-stream | 256 → 128, 1 |" in card and "1.75x" in card
+    assert "Weights on the GPU: 5.37 GiB (16-bit: 14.99)" in card
+    assert "MacheteLinearKernel for CompressedTensorsWNA16" in card
