@@ -346,3 +346,9 @@ def test_int8_served_rounding_differs_from_compressed_tensors_where_vllm_does(wr
         b = m(ids).logits
     assert not torch.equal(a, b) and (a - b).abs().max() < 1.0
     assert math.isfinite(float(b.sum()))
+
+
+def test_tune_refuses_an_activation_format_rather_than_mismeasure(tiny_llama, tmp_path, capsys):
+    rc, out = qship(capsys, "sensitivity", "--model", str(tiny_llama), "--recipe",
+                    str(small_recipe(tmp_path, "fp8-dynamic")), "--cache-dir", str(tmp_path / "c"))  # fmt: skip
+    assert rc == 2 and "W8A8-FP8" in out["message"] and "weights only" in out["message"]

@@ -136,6 +136,17 @@ def measure(
     lm = load_model(model.path, device=device)
     plan = build_plan(lm, recipe)
     targets = [m for m in plan.modules if m.scheme]
+    act = sorted({m.scheme.format_label() for m in targets if m.scheme and (
+        m.scheme.activations is not None or m.scheme.type == "float")})  # fmt: skip
+    if act:
+        raise UsageError(
+            f"recipe {recipe.name} uses {', '.join(act)}: sensitivity (and `qship tune`) "
+            "rounds weights only, one module at a time, and would leave the activation "
+            "rounding out of its figures",
+            path=recipe.path,
+            hint="compare the activation formats whole with `qship compare --recipes "
+            "recipes/fp8-dynamic.yaml recipes/w8a8-int8-sq.yaml ...`; tune a W4A16 base",
+        )
     if not targets:
         raise UsageError(
             f"recipe {recipe.name} quantizes no module: nothing to measure",
