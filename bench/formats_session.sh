@@ -99,7 +99,7 @@ start-qwen)
   ;;
 start-final)  # the last vLLM part in: its environment, then served checks and speed, alone
   link; OUT=$S bash bench/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
-  setsid nohup bash -c "while [ ! -f $S/gemma.done ] || [ ! -f $S/qwen.done ] || [ ! -f $S/r8b.done ]; do sleep 3; done;
+  setsid nohup bash -c "for j in ${WAIT_FOR:-gemma r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
     bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done;
     bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done" > /dev/null 2>&1 &
   sleep 2; tail -3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log

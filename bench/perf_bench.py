@@ -48,6 +48,8 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - one failed candidate must not lose the others
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:800]}", file=sys.stderr)
             (a.out / f"{name}.error.txt").write_text(f"{type(e).__name__}: {e}\n")
+            if not ref_runs:  # the reference itself did not serve: no candidate will compare
+                break
             continue
         (a.out / f"{name}.json").write_text(json.dumps(res.to_json(), indent=1) + "\n")
         lines += [f"## {name}", *perf_lines(res), ""]
