@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 import html
 
-from .report import columns, fmt, notes, value, verdict_text, width_line
+from .render import fmt, notes, verdict_text, width_line
+from .report import columns, value
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;color:#222}

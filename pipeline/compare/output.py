@@ -7,7 +7,8 @@ from pathlib import Path
 from ..io.atomic import atomic_write_bytes, atomic_write_text
 from .html import render_html
 from .plots import plot_kl_distribution, plot_pareto, plot_speed, plot_task_drops
-from .report import render_csv, render_json, render_md, summarise_rows
+from .render import render_csv, render_json, render_md
+from .report import summarise_rows
 
 REPORT_FILES = (
     "compare.md",

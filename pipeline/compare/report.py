@@ -1,8 +1,9 @@
-"""The recipe comparison report: per-recipe rows -> compare.md / .json / .csv / .png / .html.
+"""The recipe comparison report: per-recipe rows -> the report dict (selections, columns,
+recommendation) that render.py writes as compare.md / .json / .csv, plots.py and html.py
+as the rest.
 
-Pure: rows in, text out; it runs no model. rows.py builds the rows from eval.json records
-(in process, or from the eval.json files of CI jobs); plots.py and html.py render the rest
-and output.py writes every file.
+Pure: rows in, a dict out; it runs no model. rows.py builds the rows from eval.json records
+(in process, or from the eval.json files of CI jobs); output.py writes every file.
 
 Row schema (one per recipe; every figure may be None when the stage did not report it):
 
@@ -42,12 +43,8 @@ a tie goes to fewer bits per weight, then to the name.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
 import re
-from collections.abc import Callable
 from typing import Any
 
 from ..errors import UsageError
@@ -207,7 +204,7 @@ def recommendation(report: dict) -> str:
     return text
 
 
-def _task_names(rows: list[dict]) -> list[str]:
+def task_names(rows: list[dict]) -> list[str]:
     return sorted({t for r in rows for t in (r.get("tasks") or {})})
 
 
@@ -224,7 +221,7 @@ def columns(rows: list[dict]) -> list[tuple[str, str, str, str | None]]:
     if any(r.get("formats") for r in rows):
         cols.append(("formats", "formats", "s", None))
     cols += [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
-    cols += [(f"task:{t}", f"{t} drop pp", "{:+.2f}", "min") for t in _task_names(rows)]
+    cols += [(f"task:{t}", f"{t} drop pp", "{:+.2f}", "min") for t in task_names(rows)]
     for w in workloads(rows):
         cols.append((f"speed:{w}", f"{w} speed-up", "{:.2f}x", "max"))
     if any(r.get("weights_gib") is not None for r in rows):
@@ -310,119 +307,3 @@ def summarise_rows(rows: list[dict]) -> dict:
         "fastest": fastest(rows),
         "rows": rows,
     }
-
-
-# ------------------------------------------------------------------ text formats
-
-
-def fmt(v: Any, f: str) -> str:
-    if v is None:
-        return "–"
-    if f == "mb":
-        return f"{v / 1e6:.2f}"
-    if f == "s":
-        return str(v).replace("|", "\\|")
-    if isinstance(v, int) and "f" not in f and "g" not in f:
-        return str(v)
-    return f.format(v)
-
-
-def verdict_text(r: dict) -> str:
-    if r.get("passed") is None:
-        return "–"
-    if r["passed"]:
-        return "pass"
-    failed = [c.get("name", "?") for c in r.get("checks", []) if not c.get("passed", True)]
-    return "FAIL" + (f" ({', '.join(failed)})" if failed else "")
-
-
-PEAK_RSS_NOTE = (
-    "peak mem: the process's peak RSS (CPU run); within one `qship compare` process it is a "
-    "high-water mark that includes the recipes run before, so compare it only across "
-    "separate jobs (on a GPU it is torch.cuda.max_memory_allocated per quantize)."
-)
-
-
-def notes(rows: list[dict]) -> list[str]:
-    return (
-        [PEAK_RSS_NOTE] if any(r.get("peak_mem_kind") == "process_peak_rss" for r in rows) else []
-    )
-
-
-def width_line(report: dict, style: Callable[[str], str]) -> str:
-    widths = report.get("best_by_width") or {}
-    if len(widths) < 2:
-        return ""
-    return (
-        " Best per weight width: "
-        + "; ".join(f"{w}-bit {style(n)}" for w, n in widths.items())
-        + "."
-    )
-
-
-def render_md(report: dict) -> str:
-    rows = report["rows"]
-    cols = columns(rows)
-    best = report["best_per_column"]
-    pareto = set(report["pareto_bits_vs_kl"])
-    head = ["recipe", *[h for _, h, _, _ in cols], "gate"]
-    lines = [
-        "# qship recipe comparison",
-        "",
-        f"Recipes: {len(rows)}. Best passing recipe (lowest mean KL, tie → fewer bits): "
-        f"**{report['best'] or 'none passed'}**." + width_line(report, lambda n: f"**{n}**"),
-        "",
-        "Recommendation: " + recommendation(report),
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "|".join(["---"] + ["---:"] * len(cols) + ["---"]) + "|",
-    ]
-    for r in rows:
-        cells = [r["name"].replace("|", "\\|") + (" ◆" if r["name"] in pareto else "")]
-        for key, _h, f, _d in cols:
-            s = fmt(value(r, key), f)
-            cells.append(f"**{s}**" if r["name"] in best.get(key, []) else s)
-        cells.append(verdict_text(r))
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Bold: best in its column (ppl ratio: closest to 1). ◆: on the Pareto front of "
-        "bits/weight vs mean KL. KL in nats per token, KL(reference ‖ quantized), "
-        "on held-out tokens.",
-        "",
-    ]
-    lines += [*(f"{n}\n" for n in notes(rows))]
-    return "\n".join(lines)
-
-
-def csv_header(rows: list[dict]) -> list[str]:
-    return (
-        ["name", "recipe", "recipe_hash", "passed", "formats", *SCALARS]
-        + [f"task:{t}" for t in _task_names(rows)]
-        + [f"speed:{w}" for w in workloads(rows)]
-        + ["failed_checks"]
-    )
-
-
-def render_csv(report: dict) -> str:
-    rows = report["rows"]
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    header = csv_header(rows)
-    w.writerow(header)
-    for r in rows:
-        out = []
-        for k in header:
-            if k == "failed_checks":
-                v = ";".join(
-                    c.get("name", "?") for c in r.get("checks", []) if not c.get("passed", True)
-                )
-            else:
-                v = value(r, k)
-            out.append("" if v is None else (repr(v) if isinstance(v, float) else v))
-        w.writerow(out)
-    return buf.getvalue()
-
-
-def render_json(report: dict) -> str:
-    return json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
