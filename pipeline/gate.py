@@ -75,7 +75,7 @@ def check(report: EvalReport, gates: Gates, speed: SpeedGates | None = None) -> 
             )
     if report.served is not None:
         checks += served_checks(report)
-    if speed is not None and (speed.min_speedup or speed.max_ttft_ms):
+    if speed is not None and speed.any():
         checks += speed_checks(report.served_perf, speed)
     return Verdict(passed=all(c.passed for c in checks), checks=checks)
 

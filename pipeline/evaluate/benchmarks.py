@@ -117,16 +117,6 @@ def _primary(task: str, sample: dict) -> str | None:
     return None
 
 
-def quantizes_activations(model_dir: Path) -> bool:
-    """Whether a checkpoint's quantization_config rounds some layer's input activations."""
-    try:
-        qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError):
-        return False
-    groups = (qc or {}).get("config_groups") or {}
-    return any(isinstance(g, dict) and g.get("input_activations") for g in groups.values())
-
-
 def _served_model(spec: dict) -> Any:
     """lm-eval's HF model around qship's loader with vLLM's Linear numerics (W8A8, W4A8),
     so the benchmarks score what vLLM serves, as the KL does."""
@@ -142,6 +132,15 @@ def _served_model(spec: dict) -> Any:
     serve_linears(m)
     return HFLM(pretrained=m, tokenizer=AutoTokenizer.from_pretrained(str(path)),
                 batch_size=spec["batch_size"])  # fmt: skip
+
+
+def _quantizes_activations(model_dir: Path) -> bool:
+    from .scoring import quantizes_activations
+
+    try:
+        return quantizes_activations(model_dir)
+    except (OSError, ValueError):
+        return False
 
 
 def _worker(spec: dict) -> None:
@@ -160,7 +159,7 @@ def _worker(spec: dict) -> None:
         # a model that does not fit the GPU: lm-eval's accelerate placement (what fits on the
         # GPU, the rest in host memory, then files)
         args += f",parallelize=True,offload_folder={work / 'offload'}"
-    elif quantizes_activations(Path(spec["model_dir"])):
+    elif _quantizes_activations(Path(spec["model_dir"])):
         model, args = _served_model(spec), ""
     r = lm_eval.simple_evaluate(
         model=model,

@@ -137,13 +137,14 @@ def _fits(model_dir: Path, cfg: ServeGate) -> None:
     except (OSError, ValueError):
         return
     limit = (c.get("text_config") or c).get("max_position_embeddings")
-    for i, w in enumerate(cfg.workloads):
-        if isinstance(limit, int) and w.prompt_len + w.output_len > limit:
-            raise UsageError(
-                f"field `serve.workloads[{i}]` ({w.name}): prompt_len {w.prompt_len} + "
-                f"output_len {w.output_len} exceeds the model's context of {limit} tokens",
-                path=str(model_dir), hint="set serve.workloads in the recipe to fit the model",
-            )  # fmt: skip
+    bad = cfg.overlong(limit)
+    if bad is not None:
+        i, w = bad
+        raise UsageError(
+            f"field `serve.workloads[{i}]` ({w.name}): prompt_len {w.prompt_len} + "
+            f"output_len {w.output_len} exceeds the model's context of {limit} tokens",
+            path=str(model_dir), hint="set serve.workloads in the recipe to fit the model",
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------ vLLM

@@ -25,10 +25,22 @@ from . import kl_stats
 KV_ATTR = "kv_cache"  # compressed_tensors.modeling.kvcache.KV_CACHE_ATTR
 
 
-def kv_scheme(model_dir: Path) -> dict[str, Any] | None:
+def quantization_config(model_dir: Path) -> dict[str, Any]:
+    """config.json's quantization_config ({} for a dense model)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    scheme = (cfg.get("quantization_config") or {}).get("kv_cache_scheme")
+    qc = cfg.get("quantization_config")
+    return qc if isinstance(qc, dict) else {}
+
+
+def kv_scheme(model_dir: Path) -> dict[str, Any] | None:
+    scheme = quantization_config(model_dir).get("kv_cache_scheme")
     return scheme if isinstance(scheme, dict) else None
+
+
+def quantizes_activations(model_dir: Path) -> bool:
+    """Whether some config group rounds its layers' input activations (W8A8, W4A8)."""
+    groups = quantization_config(model_dir).get("config_groups") or {}
+    return any(isinstance(g, dict) and g.get("input_activations") for g in groups.values())
 
 
 def kv_modules(model: Any) -> list[torch.nn.Module]:

@@ -110,18 +110,14 @@ def _check_w4a8(m: ModulePlan, recipe: Recipe, gi: int, sm: int) -> None:
 def check_workloads(recipe: Recipe, max_positions: int | None) -> None:
     """Exit 2 for a served-performance workload the model cannot serve: prompt + output
     beyond its context (config.json max_position_embeddings)."""
-    if (
-        recipe.serve is None
-        or not max_positions
-        or "workloads" not in recipe.serve.model_fields_set
-    ):
+    if recipe.serve is None or "workloads" not in recipe.serve.model_fields_set:
         return  # the default workloads are checked when performance is measured
-    for i, w in enumerate(recipe.serve.workloads):
-        if w.prompt_len + w.output_len > max_positions:
-            raise RecipeError(
-                f"field `serve.workloads[{i}]` ({w.name}): prompt_len {w.prompt_len} + "
-                f"output_len {w.output_len} exceeds the model's context of {max_positions} "
-                "tokens",
-                path=recipe.path,
-                hint="shorten the workload (config.json max_position_embeddings is the limit)",
-            )
+    bad = recipe.serve.overlong(max_positions)
+    if bad is not None:
+        i, w = bad
+        raise RecipeError(
+            f"field `serve.workloads[{i}]` ({w.name}): prompt_len {w.prompt_len} + "
+            f"output_len {w.output_len} exceeds the model's context of {max_positions} tokens",
+            path=recipe.path,
+            hint="shorten the workload (config.json max_position_embeddings is the limit)",
+        )

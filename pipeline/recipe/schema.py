@@ -252,6 +252,9 @@ class SpeedGates(_Strict):
     # candidate time to first token, p99, at most (milliseconds)
     max_ttft_ms: dict[str, float] = Field(default_factory=dict)
 
+    def any(self) -> bool:
+        return bool(self.min_speedup or self.max_ttft_ms)
+
 
 class ServeGate(_Strict):
     """The served-artifact check run by `qship run` when the engine is there (else it is
@@ -275,6 +278,15 @@ class ServeGate(_Strict):
     repeats: int = Field(default=3, ge=1, le=20)
     seed: int = 0
     gates: SpeedGates = Field(default_factory=SpeedGates)
+
+    def overlong(self, max_positions: int | None) -> tuple[int, Workload] | None:
+        """The first workload whose prompt + output exceeds the model's context, or None."""
+        if not isinstance(max_positions, int) or max_positions <= 0:
+            return None  # unknown context: nothing to hold the workloads against
+        for i, w in enumerate(self.workloads):
+            if w.prompt_len + w.output_len > max_positions:
+                return i, w
+        return None
 
     @model_validator(mode="after")
     def _named(self) -> ServeGate:
