@@ -12,10 +12,11 @@
 #              gemma, qwen  `qship run` of the five recipes of bench/recipes/formats (the four
 #                           formats + the W4A16 twin of W4A8), no served check yet
 #              r8b          a random Llama-3-8B-dims model, `qship quantize` with the data-free
-#                           RTN recipes of bench/recipes/perf (speed needs no trained weights)
-#            then, alone on the GPU: `qship verify --serve vllm` of the eight new-format
-#            artifacts, then served speed (bench/perf_bench.py) of the 8B checkpoints and of
-#            Qwen's artifacts beside their 16-bit references
+#                           RTN recipes of bench/recipes/perf (speed needs no trained weights),
+#                           then gemma-mixed-w4 with --offload cpu (host memory by phase)
+#            then, alone on the GPU: served speed (bench/perf_bench.py) of the 8B checkpoints
+#            and of Qwen's artifacts beside their 16-bit references, then `qship verify
+#            --serve vllm` of the eight new-format artifacts
 #   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
 set -uo pipefail
 S=/root/stash
@@ -53,6 +54,10 @@ r8b() {  # the random 8B and its data-free checkpoints, quantized at once
     [ "$r" = fp8-dynamic-rtn ] && wait
   done
   wait
+  # host memory under --offload cpu by phase (issue 32; 41.3 GB on 2026-12-04)
+  $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-mixed-off" --cache-dir "$S/cache-r8b" \
+    --device cuda --offload cpu --json > "$S/rows/r8b-mixed-offload-quantize.json" 2> "$S/r8b-mixed-off.log"
+  echo "== r8b mixed --offload cpu rc $?"
 }
 
 served() {  # after the quality jobs: vLLM serves each new-format artifact, one at a time
@@ -97,11 +102,11 @@ start-qwen)
   link; [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
   rm -f "$S"/qwen/*.part0*; bg qwen
   ;;
-start-final)  # the last vLLM part in: its environment, then served checks and speed, alone
+start-final)  # the last vLLM part in: its environment, then served speed and served checks, alone
   link; OUT=$S bash bench/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
   setsid nohup bash -c "for j in ${WAIT_FOR:-gemma r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
-    bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done;
-    bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done" > /dev/null 2>&1 &
+    bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done;
+    bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done" > /dev/null 2>&1 &
   sleep 2; tail -3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
   ;;
 run-gemma) link; quality gemma "$G" ;;

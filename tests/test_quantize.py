@@ -159,6 +159,11 @@ def test_recipe_quantizes_as_planned(model, recipe_name, request, quantized):
         layers = [x.layer for x in rep.layers if x.layer.startswith("model.layers")]
         assert layers == plan.decoder_layers
     assert rep.peak_memory.peak_rss_bytes > 0
+    # host peaks by phase (Linux): each phase recorded, none above the process's peak
+    hp = rep.peak_memory.host_phases
+    assert list(hp) == ["load", "oneshot", "save", "verify"]
+    assert all(0 < h.resident_bytes <= rep.peak_memory.peak_rss_bytes for h in hp.values())
+    assert all(h.anonymous_bytes and h.anonymous_bytes <= h.resident_bytes for h in hp.values())
     assert rep.checks.checked_modules == len(plan.modules) and rep.checks.reload_probe_tokens > 0
     # size matches the plan's estimate within 3 % (safetensors header, metadata)
     assert (

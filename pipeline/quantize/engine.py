@@ -146,6 +146,7 @@ def _quantize(
     kwargs = _oneshot_kwargs(recipe, tokens, bare)
     kwargs.update(model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), recipe=modifiers)
     t_load = time.perf_counter() - t0
+    peaks.end_phase("load")
     log.detail(
         f"{plan.architecture}: {len(plan.modules)} Linear modules, "
         f"{sum(1 for m in plan.modules if m.scheme)} quantized; modifiers: "

@@ -1,22 +1,31 @@
-"""Peak memory of a quantize, per phase: the oneshot (calibration + compression), the save,
-and the reload check. On CUDA each phase's peak is measured from a reset counter, so a
-process that runs several recipes (compare) reports each one's own peak."""
+"""Peak memory of a quantize, per phase: the load, the oneshot (calibration + compression),
+the save and the reload check. On CUDA each phase's peak is measured from a reset counter,
+so a process that runs several recipes (compare) reports each one's own peak; on Linux the
+host's too (VmHWM, reset through /proc/self/clear_refs), which is what shows where an
+offloaded run's host memory goes."""
 
 from __future__ import annotations
 
 import gc
 import resource
+import threading
+import time
+import weakref
+from pathlib import Path
 
 import torch
 
-from ..records.checkpoint import CudaPeak, PeakMemory
+from ..records.checkpoint import CudaPeak, HostPeak, PeakMemory
 
 
 class PhasePeaks:
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda") and torch.cuda.is_available()
         self.phases: dict[str, CudaPeak] = {}
+        self.host: dict[str, HostPeak] = {}
         self.at_start: int | None = None
+        self.sampler = _AnonSampler()
+        reset_host_peak()
         if self.cuda:
             # what an earlier stage of this process left unreachable must not count here
             gc.collect()
@@ -26,6 +35,10 @@ class PhasePeaks:
 
     def end_phase(self, name: str) -> None:
         """Record the peak since the last phase ended, then start counting again."""
+        hwm = host_peak()
+        if hwm is not None:
+            self.host[name] = HostPeak(resident_bytes=hwm, anonymous_bytes=self.sampler.take())
+            reset_host_peak()
         if not self.cuda:
             return
         self.phases[name] = CudaPeak(
@@ -40,16 +53,83 @@ class PhasePeaks:
             torch.cuda.empty_cache()
 
     def result(self) -> PeakMemory:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # the phases' resets of the high-water mark reset ru_maxrss too: take the largest
+        rss = max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]
+                  + [h.resident_bytes for h in self.host.values()])  # fmt: skip
         if not self.phases:
-            return PeakMemory(peak_rss_bytes=rss)
+            return PeakMemory(peak_rss_bytes=rss, host_phases=dict(self.host))
         return PeakMemory(
             peak_rss_bytes=rss,
+            host_phases=dict(self.host),
             cuda_max_allocated_bytes=max(p.max_allocated_bytes for p in self.phases.values()),
             cuda_max_reserved_bytes=max(p.max_reserved_bytes for p in self.phases.values()),
             cuda_phases=dict(self.phases),
             cuda_allocated_at_start_bytes=self.at_start,
         )
+
+
+class _AnonSampler:
+    """The largest anonymous + shared resident size seen (sampled every 50 ms): memory the
+    process owns, unlike the file pages of a memory-mapped read, which VmHWM counts too."""
+
+    def __init__(self) -> None:
+        self.peak = self.gen = 0
+        self.lock = threading.Lock()
+        self.alive = _status_kb("RssAnon") is not None
+        if self.alive:  # the thread ends with its sampler (a weak reference)
+            args = (weakref.ref(self),)
+            threading.Thread(
+                target=_sampling, args=args, name="qship-host-peak", daemon=True
+            ).start()
+
+    def _sample(self) -> None:
+        gen = self.gen  # a reading from before a take() belongs to the phase that ended
+        now = ((_status_kb("RssAnon") or 0) + (_status_kb("RssShmem") or 0)) * 1024
+        with self.lock:
+            if gen == self.gen:
+                self.peak = max(self.peak, now)
+
+    def take(self) -> int | None:
+        """The peak since the last take (now included), then start again from now."""
+        if not self.alive:
+            return None
+        self._sample()
+        with self.lock:
+            peak, self.peak = self.peak, 0
+            self.gen += 1
+        return peak
+
+
+def _sampling(ref: weakref.ref[_AnonSampler]) -> None:
+    while (s := ref()) is not None:
+        s._sample()
+        del s
+        time.sleep(0.05)
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def host_peak() -> int | None:
+    """The process's resident high-water mark since the last reset (Linux), in bytes."""
+    kb = _status_kb("VmHWM")
+    return None if kb is None else kb * 1024
+
+
+def reset_host_peak() -> None:
+    """Start the high-water mark again from the current resident size (Linux >= 4.0:
+    writing 5 to clear_refs); elsewhere the phases are simply not recorded."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def release_llmcompressor_session() -> None:

@@ -57,6 +57,15 @@ class CudaPeak(Record):
     """torch.cuda.max_memory_reserved over the phase."""
 
 
+class HostPeak(Record):
+    resident_bytes: int
+    """The process's resident high-water mark over the phase (VmHWM): file pages of a
+    memory-mapped read included while they are mapped."""
+    anonymous_bytes: int | None = None
+    """The largest anonymous + shared resident size sampled (every 50 ms) over the phase:
+    the memory the process itself holds (page-locked copies included)."""
+
+
 class PeakMemory(Record):
     peak_rss_bytes: int
     """The process's peak resident memory (a high-water mark of the whole process)."""
@@ -65,9 +74,11 @@ class PeakMemory(Record):
     cuda_max_reserved_bytes: int | None = None
     """On a GPU: the largest reserved peak of the phases."""
     cuda_phases: dict[str, CudaPeak] = {}
-    """oneshot (calibration + compression), save, verify (the reload check)."""
+    """load, oneshot (calibration + compression), save, verify (the reload check)."""
     cuda_allocated_at_start_bytes: int | None = None
     """Allocated before this quantize began (included in the peaks)."""
+    host_phases: dict[str, HostPeak] = {}
+    """Linux: the process's host memory peaks in each phase (load, oneshot, save, verify)."""
 
     def peak(self) -> tuple[int, Literal["cuda_max_allocated", "process_peak_rss"]]:
         if self.cuda_max_allocated_bytes is not None:
