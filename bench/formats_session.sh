@@ -44,6 +44,10 @@ quality() {  # TAG GGUF: fetch (the reference folder), then each recipe; rows as
     echo "== $t $r rc $?"
     cp "$S/art-$t-$r.report/eval.json" "$S/rows/$t-$r-eval.json" 2>/dev/null
   done
+  [ "$t" = gemma ] || return 0  # the FP8-KV mixed recipe for the long-context check (issue 31)
+  $Q run --model "$m" --recipe "$L/mixed-lc-h200.yaml" --out "$S/art-$t-mixed-lc" --cache-dir "$S/cache-$t" \
+    --device cuda --json > "$S/rows/$t-mixed-lc-run.json" 2> "$S/$t-mixed-lc.log"
+  echo "== $t mixed-lc rc $?"
 }
 
 r8b() {  # the random 8B and its data-free checkpoints, quantized at once
@@ -69,6 +73,13 @@ served() {  # after the quality jobs: vLLM serves each new-format artifact, one 
       echo "== served $t $r rc $?"
     done
   done
+  # retrieval at 4k, 16k and 32k tokens, FP8 KV as served and 16-bit, beside the reference
+  local ref
+  ref=$(python3 -c "import json;print(json.load(open('$S/rows/gemma-fetch.json'))['path'])" 2>/dev/null)
+  [ -d "$S/art-gemma-mixed-lc" ] && [ -n "$ref" ] && QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify \
+    "$S/art-gemma-mixed-lc" --serve vllm --reference "$ref" --json > "$S/rows/gemma-mixed-lc-served.json" \
+    2> "$S/gemma-mixed-lc-served.log"
+  echo "== served gemma mixed-lc (long context) rc $?"
 }
 
 speed() {  # alone on the GPU: the 8B checkpoints, then Qwen's artifacts

@@ -4,7 +4,8 @@ Every configured limit becomes one Check. A value that is missing or not finite 
 check (fail closed), and so does a task gate whose task did not run (e.g. a hub task
 skipped offline): a configured gate never passes silently. The served check (recipe
 `serve:`) adds its three checks when it ran; when its engine is absent it is reported as
-not run and adds none. `require_pass` turns a failed verdict into GateFailed (exit 4).
+not run and adds none; so does the long-context check (`serve.long_context`), one check
+per length. `require_pass` turns a failed verdict into GateFailed (exit 4).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .errors import GateFailed
 from .recipe import Gates, SpeedGates
 from .records.evaluation import EvalReport, Metrics
 from .records.perf import ServedPerf
+from .records.served import LongContextCheck
 from .records.verdict import Check, Verdict
 
 Op = Literal["<=", ">="]
@@ -75,6 +77,8 @@ def check(report: EvalReport, gates: Gates, speed: SpeedGates | None = None) -> 
             )
     if report.served is not None:
         checks += served_checks(report)
+    if report.long_context is not None:
+        checks += long_context_checks(report.long_context)
     if speed is not None and speed.any():
         checks += speed_checks(report.served_perf, speed)
     return Verdict(passed=all(c.passed for c in checks), checks=checks)
@@ -96,6 +100,24 @@ def served_checks(report: EvalReport) -> list[Check]:
         )
         for n, v, op, limit in rows
         if limit is not None
+    ]
+
+
+def long_context_checks(lc: LongContextCheck) -> list[Check]:
+    """serve.long_context.max_drop, per length: the reference's retrieval rate minus the
+    artifact's as served."""
+    return [
+        Check(
+            name=f"serve.long_context.{r.length}",
+            value=r.drop,
+            limit=lc.max_drop,
+            op="<=",
+            passed=_ok(r.drop, "<=", lc.max_drop),
+            note=f"retrieved {r.served:.0%} vs the reference's {r.reference:.0%}"
+            + (f", 16-bit KV {r.served_16bit:.0%}" if r.served_16bit is not None else "")
+            + f" ({lc.engine}, kv {lc.kv_cache_dtype})",
+        )  # fmt: skip
+        for r in lc.rows
     ]
 
 

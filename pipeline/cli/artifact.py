@@ -114,7 +114,8 @@ def verify_cmd(
         typer.Option(
             "--reference",
             help="The 16-bit model this artifact was made from "
-            "(a folder; held against the artifact's provenance), for --perf.",
+            "(a folder; held against the artifact's provenance), for --perf and the "
+            "recipe's serve.long_context.",
         ),
     ] = None,  # fmt: skip
     raw_dir: Annotated[
@@ -142,22 +143,19 @@ def verify_cmd(
     if serve is None:
         return report
     report = _serve_check(artifact, report, serve, serve_kv, device)
+    if reference is not None:
+        _same_source(artifact, reference)
+        report = _long_context(artifact, report, reference, serve, serve_kv, device)
     if perf:
         assert reference is not None
         report = _perf(artifact, report, reference, raw_dir)
     return report
 
 
-def _perf(artifact: Path, report: VerifyReport, reference: Path, raw: Path | None) -> VerifyReport:
-    """Served speed beside the reference; exit 4 below the recipe's serve.gates."""
-    from .. import gate
+def _same_source(artifact: Path, reference: Path) -> None:
     from ..artifact.verify import read_provenance
-    from ..errors import GateFailed
-    from ..evaluate import perf
     from ..evaluate.engine import model_ref
-    from ..recipe import ServeGate, load_recipe
 
-    sg = load_recipe(artifact / "recipe.yaml").serve or ServeGate()
     src = read_provenance(artifact).source
     ref_hash = model_ref(reference).model_hash
     if src is not None and src.model_hash != ref_hash:
@@ -165,6 +163,47 @@ def _perf(artifact: Path, report: VerifyReport, reference: Path, raw: Path | Non
                          f"(model hash {ref_hash[:12]}, provenance {src.model_hash[:12]})",
                          path="--reference", hint="pass the source model's folder (as "
                          "`qship fetch` wrote it)")  # fmt: skip
+
+
+def _long_context(
+    artifact: Path, report: VerifyReport, reference: Path, engine: str, kv: str | None,
+    device: str | None,
+) -> VerifyReport:  # fmt: skip
+    """The recipe's serve.long_context, when it has one: retrieval at long context as
+    served beside the reference (exit 4 beyond its max_drop)."""
+    from .. import gate
+    from ..artifact.verify import read_eval
+    from ..errors import GateFailed
+    from ..evaluate.long_context import check_artifact
+    from ..recipe import load_recipe
+
+    r = load_recipe(artifact / "recipe.yaml")
+    if r.serve is None or r.serve.long_context is None:
+        return report
+    sg = r.serve.model_copy(
+        update={"engine": engine, "kv_cache_dtype": kv or r.serve.kv_cache_dtype}
+    )
+    measured = read_eval(artifact).measured
+    lc = check_artifact(artifact, reference, r.model_copy(update={"serve": sg}), device=device,
+                        attention=measured.attention if measured else "kv-only")  # fmt: skip
+    report = report.model_copy(update={"long_context": lc})
+    failed = [c for c in gate.long_context_checks(lc) if not c.passed]
+    if failed:
+        raise GateFailed("long-context retrieval as served fell beyond serve.long_context."
+                         "max_drop: " + "; ".join(lc.failures), path=str(artifact / "recipe.yaml"),
+                         hint="a 16-bit KV cache (kv_cache: null) or calibrated KV scales; "
+                         "see the 16-bit KV figure beside each length", result=report)  # fmt: skip
+    return report
+
+
+def _perf(artifact: Path, report: VerifyReport, reference: Path, raw: Path | None) -> VerifyReport:
+    """Served speed beside the reference; exit 4 below the recipe's serve.gates."""
+    from .. import gate
+    from ..errors import GateFailed
+    from ..evaluate import perf
+    from ..recipe import ServeGate, load_recipe
+
+    sg = load_recipe(artifact / "recipe.yaml").serve or ServeGate()
     res = perf.measure(artifact, reference, sg, perf.runner_for("vllm")(), raw_dir=raw)
     report = report.model_copy(update={"served_perf": res})
     checks = gate.speed_checks(res, sg.gates)

@@ -87,6 +87,27 @@ class TransformersEngine:
                 del logits, lp
         return torch.cat(out), torch.cat(top1), 0
 
+    @torch.inference_mode()
+    def tail_top1(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """[N, n]: the top-1 token predicted at each of each row's last n positions, one
+        row at a time, logits only where they are read (a 32k-token row's full logits over
+        Gemma's 262k vocabulary would be 34 GB)."""
+        from .numerics import served_attention
+        from .scoring import kv_quantization
+
+        dev = next(self.model.parameters()).device
+        keep = torch.arange(ids.shape[1] - n - 1, ids.shape[1] - 1, device=dev)
+        out = []
+        with (
+            kv_quantization(self.model, self.kv_on),
+            served_attention(self.model, self.attention, self.hooked),
+        ):
+            for row in ids:
+                logits = self.model(input_ids=row[None].to(dev), use_cache=False,
+                                    logits_to_keep=keep).logits  # fmt: skip
+                out.append(logits[0].argmax(-1).cpu())
+        return torch.stack(out)
+
 
 # vLLM logs the kernel it chose for each quantization scheme once: "Using MacheteLinearKernel
 # for CompressedTensorsWNA16", "Selected CutlassFP8ScaledMMLinearKernel for ..."
@@ -128,6 +149,16 @@ class VllmEngine:
     def logprobs_at(
         self, ids: torch.Tensor, want: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        out, missing = self._child({"ids": ids, "want": want}, self.args)
+        return out["vals"], out["top1"], missing
+
+    def tail_top1(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """[N, n]: vLLM's greedy continuation of each row's first T - n tokens."""
+        args = {**self.args, "generate": n}
+        out, _ = self._child({"ids": ids[:, :-n]}, args)
+        return out["generated"]
+
+    def _child(self, tensors: dict[str, torch.Tensor], args: dict) -> tuple[dict, int]:
         import sys
         import tempfile
 
@@ -137,8 +168,8 @@ class VllmEngine:
 
         with tempfile.TemporaryDirectory(prefix="qship-vllm-") as tmp:
             work = Path(tmp)
-            (work / "args.json").write_text(json.dumps(self.args))
-            save_file({"ids": ids.int().contiguous(), "want": want.int().contiguous()},
+            (work / "args.json").write_text(json.dumps(args))
+            save_file({k: v.int().contiguous() for k, v in tensors.items()},
                       str(work / "in.safetensors"))  # fmt: skip
             python = os.environ.get("QSHIP_VLLM_PYTHON") or sys.executable
             child = Path(__file__).with_name("vllm_child.py")
@@ -158,4 +189,4 @@ class VllmEngine:
         missing = int(facts.pop("missing", 0))
         self.facts.update({k: v if isinstance(v, str) else json.dumps(v, sort_keys=True)
                            for k, v in facts.items()})  # fmt: skip
-        return out["vals"], out["top1"], missing
+        return out, missing

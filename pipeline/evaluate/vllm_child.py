@@ -3,6 +3,9 @@ from qship's: requirements/serve.lock), so it imports nothing from qship.
 
     python vllm_child.py WORKDIR     # reads WORKDIR/args.json + in.safetensors (ids, want)
 
+With args["generate"] = n it generates n tokens greedily after each row instead (the
+long-context check) and writes `generated` [N, n].
+
 Loads the artifact with vllm.LLM as a server would (its quantization config, the KV cache
 dtype asked for, compiled unless eager), asks for the prompt log-probs of the top
 `served_topk` tokens per position and writes WORKDIR/out.safetensors: `vals` [N, m]
@@ -68,12 +71,13 @@ def main(work: Path) -> None:
 
     args = json.loads((work / "args.json").read_text())
     data = load_file(str(work / "in.safetensors"))
-    ids, want = data["ids"].long(), data["want"].long()
+    ids = data["ids"].long()
     k = int(args["served_topk"])
+    gen = int(args.get("generate") or 0)
     t0 = time.perf_counter()
     llm = LLM(model=args["model"], dtype="auto", kv_cache_dtype=args["kv_cache_dtype"],
               max_logprobs=k, enforce_eager=bool(args["eager"]), seed=0,
-              max_model_len=int(ids.shape[1]) + 1,
+              max_model_len=int(ids.shape[1]) + max(gen, 1),
               gpu_memory_utilization=float(args["gpu_memory_utilization"]))  # fmt: skip
     facts: dict = {
         "engine": f"vllm {vllm.__version__}",
@@ -83,6 +87,18 @@ def main(work: Path) -> None:
         facts.update(llm.apply_model(inspect)[0])
     except Exception as e:  # noqa: BLE001 - best effort; vllm's log says it too
         facts["inspect_error"] = repr(e)[:300]
+    if gen:  # the long-context check: greedy continuations, no log-probs
+        sp = SamplingParams(max_tokens=gen, min_tokens=gen, temperature=0.0, ignore_eos=True,
+                            detokenize=False)  # fmt: skip
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=r.tolist()) for r in ids], sp,
+                            use_tqdm=False)  # fmt: skip
+        facts["score_s"] = round(time.perf_counter() - t0, 2)
+        got = torch.tensor([list(o.outputs[0].token_ids)[:gen] for o in outs], dtype=torch.long)
+        save_file({"generated": got}, str(work / "out.safetensors"))
+        (work / "facts.json").write_text(json.dumps(facts, indent=1, sort_keys=True))
+        return
+    want = data["want"].long()
     sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=r.tolist()) for r in ids], sp,

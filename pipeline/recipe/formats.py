@@ -17,12 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
-
+from .base import Strict as _Strict
 
 _FP8_TOKEN = {"type": "float", "bits": 8, "strategy": "token", "dynamic": True}
 # compressed-tensors 0.19's presets (quantization/quant_scheme.py) in qship's fields;

@@ -16,7 +16,8 @@ Top-level keys (all others are an error):
     evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit, task_batch_size,
                   max_overlap}
     gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {max_drop}}}
-    serve        {engine, kv_cache_dtype, max_kl, min_top1, max_kl_increase} | null
+    serve        {engine, kv_cache_dtype, max_kl, min_top1, max_kl_increase, workloads,
+                  repeats, seed, gates, long_context} | null (serving.py)
     smoothquant  {strength} | null         -- SmoothQuant before the rounding (INT8 W8A8)
     target       {engine: vllm, gpu: sm90} -- what the plan checks the formats against
 
@@ -36,9 +37,11 @@ import json
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from .base import Strict as _Strict
 from .formats import Scheme, SmoothQuant, Target
+from .serving import ServeGate
 
 Method = Literal["awq", "gptq", "autoround", "rtn", "none"]
 # the methods whose rounding depends on calibration data (rtn and none do not)
@@ -50,10 +53,6 @@ DType = Literal["bfloat16", "float16", "float32"]
 _GPTQ_OPTIONS = {"dampening_frac", "actorder", "block_size", "awq_scales"}
 _AWQ_OPTIONS = {"n_grid", "duo_scaling", "offload_cache"}
 _AUTOROUND_OPTIONS = {"iters"}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
 
 
 class Options(_Strict):
@@ -219,86 +218,6 @@ class EvaluationConfig(_Strict):
     # per position, the top-k log-probs of both models stored for the served check
     # (qship/measured.safetensors in the artifact); 0 = store none
     measured_topk: int = Field(default=32, ge=0, le=1024)
-
-
-class Workload(_Strict):
-    """One served-performance workload (`qship verify --perf`, `compare --serve vllm`):
-    requests of prompt_len random tokens generating exactly output_len tokens, with at most
-    `concurrency` in flight (vLLM's `bench serve`)."""
-
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    prompt_len: int = Field(gt=0, le=1_048_576)
-    output_len: int = Field(gt=0, le=1_048_576)
-    concurrency: int = Field(gt=0, le=4096)
-    # requests per repeat; null: 8 per stream, at least 16 (enough for p99 to mean something)
-    num_prompts: int | None = Field(default=None, gt=0, le=100_000)
-
-    def prompts(self) -> int:
-        return self.num_prompts or max(16, 8 * self.concurrency)
-
-
-DEFAULT_WORKLOADS = [
-    Workload(name="1-stream", prompt_len=256, output_len=128, concurrency=1),
-    Workload(name="64-streams", prompt_len=1024, output_len=256, concurrency=64),
-]
-
-
-class SpeedGates(_Strict):
-    """Served-speed limits per workload name, relative to the 16-bit reference measured in
-    the same run on the same GPU (exit 4 when missed)."""
-
-    # candidate output tokens/s over the reference's, at least
-    min_speedup: dict[str, float] = Field(default_factory=dict)
-    # candidate time to first token, p99, at most (milliseconds)
-    max_ttft_ms: dict[str, float] = Field(default_factory=dict)
-
-    def any(self) -> bool:
-        return bool(self.min_speedup or self.max_ttft_ms)
-
-
-class ServeGate(_Strict):
-    """The served-artifact check run by `qship run` when the engine is there (else it is
-    reported as not run) and by `qship verify --serve`: exit 4 beyond these."""
-
-    engine: Literal["vllm", "transformers"] = "vllm"
-    # vLLM's kv_cache_dtype: "auto" serves FP8 when the checkpoint has a kv_cache_scheme
-    kv_cache_dtype: Literal["auto", "fp8", "bfloat16"] = "auto"
-    # KL(measured || served), nats, mean over positions. Two bf16 engines differ by this
-    # much on their own: Gemma 3 270M served by vLLM vs measured in transformers, 0.0113
-    # with a 16-bit KV cache, 0.0118 with FP8 (H200, bench/RESULTS.md); a tiny Llama 0.0012
-    max_kl: float = Field(default=0.03, gt=0)
-    # top-1 agreement of served and measured (Gemma 3 270M: 0.926, tiny Llama: 0.963)
-    min_top1: float = Field(default=0.90, ge=0, le=1)
-    # KL(ref || served) / KL(ref || measured) - 1: how much worse served is than claimed
-    max_kl_increase: float = Field(default=0.05, ge=0)
-    # served performance (`--perf`): workloads run through vLLM's own benchmark, each
-    # `repeats` times after a warm-up, reference and candidate alike
-    workloads: list[Workload] = Field(default_factory=lambda: list(DEFAULT_WORKLOADS),
-                                      min_length=1)  # fmt: skip
-    repeats: int = Field(default=3, ge=1, le=20)
-    seed: int = 0
-    gates: SpeedGates = Field(default_factory=SpeedGates)
-
-    def overlong(self, max_positions: int | None) -> tuple[int, Workload] | None:
-        """The first workload whose prompt + output exceeds the model's context, or None."""
-        if not isinstance(max_positions, int) or max_positions <= 0:
-            return None  # unknown context: nothing to hold the workloads against
-        for i, w in enumerate(self.workloads):
-            if w.prompt_len + w.output_len > max_positions:
-                return i, w
-        return None
-
-    @model_validator(mode="after")
-    def _named(self) -> ServeGate:
-        names = [w.name for w in self.workloads]
-        if len(set(names)) != len(names):
-            raise ValueError("serve.workloads: two workloads share a name")
-        for field in ("min_speedup", "max_ttft_ms"):
-            for n in getattr(self.gates, field):
-                if n not in names:
-                    raise ValueError(f"serve.gates.{field}.{n}: no workload named {n!r} "
-                                     f"(workloads: {', '.join(names)})")  # fmt: skip
-        return self
 
 
 class TaskGate(_Strict):

@@ -9,7 +9,7 @@ from ..io.hashing import FileDigest
 from .base import SCHEMA_VERSION, Record
 from .checkpoint import PeakMemory
 from .perf import ServedPerf, perf_lines
-from .served import ServedCheck
+from .served import LongContextCheck, ServedCheck
 from .tokens import TokenSetInfo
 
 
@@ -156,6 +156,9 @@ class VerifyReport(Record):
     """`--serve ENGINE`: the artifact as that engine serves it vs the measured model."""
     served_perf: ServedPerf | None = None
     """`--perf`: served speed and memory beside the 16-bit reference, same run, same GPU."""
+    long_context: LongContextCheck | None = None
+    """`--serve` with the recipe's serve.long_context and `--reference`: retrieval at long
+    context, artifact as served vs the reference."""
 
     def summary(self) -> str:
         lines = [f"verify {self.path}: OK ({self.files} files, {self.tensors} tensors)"]
@@ -165,4 +168,6 @@ class VerifyReport(Record):
             lines.append("  " + self.served.summary().replace("\n", "\n  "))
         if self.served_perf is not None:
             lines += ["  " + ln for ln in perf_lines(self.served_perf)]
+        if self.long_context is not None:
+            lines.append("  " + self.long_context.summary().replace("\n", "\n  "))
         return "\n".join(lines)

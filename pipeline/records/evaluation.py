@@ -13,7 +13,7 @@ from ..recipe import EvaluationConfig
 from .base import SCHEMA_VERSION, Record
 from .checkpoint import QuantizeSummary
 from .perf import ServedPerf
-from .served import MeasuredInfo, ServedCheck
+from .served import LongContextCheck, MeasuredInfo, ServedCheck
 from .verdict import Verdict
 
 
@@ -337,6 +337,8 @@ class EvalReport(Record):
     """Why the recipe's served check did not run (its engine absent here)."""
     served_perf: ServedPerf | None = None
     """Served speed and memory beside the reference (`--perf`, `compare --serve vllm`)."""
+    long_context: LongContextCheck | None = None
+    """The long-context retrieval check (recipe `serve.long_context`), when it ran."""
     timings: dict[str, float] = {}
     """Seconds per step."""
 

@@ -77,3 +77,51 @@ class ServedCheck(Record):
             f"({self.served_kl_increase:+.1%} vs measured {self.measured_vs_reference.kl_mean:.4g})"
             + "".join(f"\n  {f}" for f in self.failures)
         )
+
+
+class LongContextRow(Record):
+    """One length of the long-context retrieval check: the share of passkeys each model
+    returned exactly (greedy), out of `trials`."""
+
+    length: int
+    """Tokens per trial (text, needle, question and the passkey's own tokens)."""
+    trials: int
+    """Passkeys asked for, at depths (i + 0.5) / trials."""
+    reference: float
+    """The 16-bit reference's retrieval rate."""
+    served: float
+    """The artifact's, served with the check's KV-cache dtype (its FP8 KV cache under auto)."""
+    served_16bit: float | None = None
+    """The artifact's with a 16-bit KV cache (null: it has no quantized KV cache)."""
+    drop: float
+    """reference - served."""
+
+
+class LongContextCheck(Record):
+    """`serve.long_context`: a passkey hidden in long natural text, retrieved as served."""
+
+    engine: str
+    """`transformers` or `vllm` (with its version)."""
+    kv_cache_dtype: str
+    """The artifact's KV cache as served (`auto`: its kv_cache_scheme)."""
+    rows: list[LongContextRow]
+    """One per length."""
+    max_drop: float
+    """The recipe's limit on `drop`."""
+    passed: bool
+    """Every length's drop within max_drop."""
+    failures: list[str] = []
+    """The lengths beyond it, with their figures."""
+    seconds: float = 0.0
+    """Wall time of the check (every model and length)."""
+
+    def summary(self) -> str:
+        head = "long-context check " + ("PASSED" if self.passed else "FAILED")
+        rows = ", ".join(
+            f"{r.length}: {r.served:.0%} vs {r.reference:.0%}"
+            + (f" (16-bit KV {r.served_16bit:.0%})" if r.served_16bit is not None else "")
+            for r in self.rows
+        )
+        return f"{head} ({self.engine}, kv {self.kv_cache_dtype}; retrieved at {rows})" + "".join(
+            f"\n  {f}" for f in self.failures
+        )

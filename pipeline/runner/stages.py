@@ -278,6 +278,19 @@ def serve_stage(
                             sha256=report.measured.sha256)  # fmt: skip
             line.note = chk.summary().splitlines()[0]
             report = report.model_copy(update={"served": chk})
+    if sg.long_context is not None and reference is not None:
+        with ctx.stage("long-context") as line:
+            reason = unavailable(sg.engine)
+            if reason is not None:
+                line.note = f"not run: {reason}"
+            else:
+                from ..evaluate.long_context import check_artifact
+
+                attention = report.measured.attention if report.measured else "kv-only"
+                lc = check_artifact(qc.path, reference, recipe, device=ctx.device,
+                                    attention=attention)  # fmt: skip
+                line.note = lc.summary().splitlines()[0]
+                report = report.model_copy(update={"long_context": lc})
     wanted = ctx.perf or sg.gates.any()
     if reference is not None and wanted and unavailable(sg.engine) is None:
         from ..evaluate import perf
