@@ -14,9 +14,10 @@
 #              r8b          a random Llama-3-8B-dims model, `qship quantize` with the data-free
 #                           RTN recipes of bench/recipes/perf (speed needs no trained weights),
 #                           then gemma-mixed-w4 with --offload cpu (host memory by phase)
-#            then, alone on the GPU: served speed (bench/perf_bench.py) of the 8B checkpoints
-#            and of Qwen's artifacts beside their 16-bit references, then `qship verify
-#            --serve vllm` of the eight new-format artifacts
+#            `qship verify --serve vllm` of each new-format artifact as soon as its run is
+#            done (SERVE_MODELS, default gemma); then, alone on the GPU: served speed
+#            (bench/perf_bench.py) of the 8B checkpoints and of Qwen's artifacts beside their
+#            16-bit references; then the long-context check of Gemma's FP8-KV mixed artifact
 #   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
 set -uo pipefail
 S=/root/stash
@@ -41,7 +42,7 @@ quality() {  # TAG GGUF: fetch (the reference folder), then each recipe; rows as
   for r in $RECIPES; do
     $Q run --model "$m" --recipe "$L/$r-h200.yaml" --out "$S/art-$t-$r" --cache-dir "$S/cache-$t" \
       --device cuda --json > "$S/rows/$t-$r-run.json" 2> "$S/$t-$r.log"
-    echo "== $t $r rc $?"
+    echo "== $t $r rc $?"; touch "$S/$t-$r.ok"
     cp "$S/art-$t-$r.report/eval.json" "$S/rows/$t-$r-eval.json" 2>/dev/null
   done
   [ "$t" = gemma ] || return 0  # the FP8-KV mixed recipe for the long-context check (issue 31)
@@ -64,16 +65,19 @@ r8b() {  # the random 8B and its data-free checkpoints, quantized at once
   echo "== r8b mixed --offload cpu rc $?"
 }
 
-served() {  # after the quality jobs: vLLM serves each new-format artifact, one at a time
-  for t in gemma qwen; do
+served() {  # vLLM serves each new-format artifact as soon as its run is done, one at a time
+  for t in ${SERVE_MODELS:-gemma}; do
     for r in fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8; do
+      while [ ! -f "$S/$t-$r.ok" ] && [ ! -f "$S/$t.done" ]; do sleep 3; done
       [ -d "$S/art-$t-$r" ] || continue
       QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify "$S/art-$t-$r" --serve vllm --serve-kv auto --json \
         > "$S/rows/$t-$r-served.json" 2> "$S/$t-$r-served.log"
       echo "== served $t $r rc $?"
     done
   done
-  # retrieval at 4k, 16k and 32k tokens, FP8 KV as served and 16-bit, beside the reference
+}
+
+long_context() {  # retrieval at 4k, 16k and 32k tokens, FP8 KV as served and 16-bit, beside the reference
   local ref
   ref=$(python3 -c "import json;print(json.load(open('$S/rows/gemma-fetch.json'))['path'])" 2>/dev/null)
   [ -d "$S/art-gemma-mixed-lc" ] && [ -n "$ref" ] && QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify \
@@ -113,11 +117,14 @@ start-qwen)
   link; [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
   rm -f "$S"/qwen/*.part0*; bg qwen
   ;;
-start-final)  # the last vLLM part in: its environment, then served speed and served checks, alone
+start-final)  # the last vLLM part in: its environment; the served checks as the artifacts land,
+  # then served speed alone on the GPU (after the quality jobs, r8b and the served checks),
+  # then the long-context check
   link; OUT=$S bash bench/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
-  setsid nohup bash -c "for j in ${WAIT_FOR:-gemma r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
+  setsid nohup bash -c "bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done" > /dev/null 2>&1 &
+  setsid nohup bash -c "for j in ${WAIT_FOR:-gemma r8b} served; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
     bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done;
-    bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done" > /dev/null 2>&1 &
+    bash bench/formats_session.sh run-lc > $S/lc.log 2>&1; touch $S/lc.done" > /dev/null 2>&1 &
   sleep 2; tail -3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
   ;;
 run-gemma) link; quality gemma "$G" ;;
@@ -125,11 +132,12 @@ run-qwen) link; quality qwen "$QG" ;;
 run-r8b) link; r8b ;;
 run-served) link; served ;;
 run-speed) link; speed ;;
+run-lc) link; long_context ;;
 collect)
   if [ "${WAIT:-0}" = 1 ]; then
     for j in ${JOBS:-speed}; do while [ ! -f "$S/$j.done" ]; do sleep 5; done; done
   fi
-  for j in gemma qwen r8b served speed; do
+  for j in gemma qwen r8b served speed lc; do
     echo "## $j $([ -f $S/$j.done ] && echo done)"; grep -E "^==|FAILED|Error" "$S/$j.log" 2>/dev/null | tail -12
   done
   for f in "$S"/*-served.log "$S"/gemma-*.log "$S"/qwen-*.log; do

@@ -184,7 +184,7 @@ def _long_context(
         update={"engine": engine, "kv_cache_dtype": kv or r.serve.kv_cache_dtype}
     )
     measured = read_eval(artifact).measured
-    lc = check_artifact(artifact, reference, r.model_copy(update={"serve": sg}), device=device,
+    lc = check_artifact(artifact, reference, sg, r.calibration.source, device=device,
                         attention=measured.attention if measured else "kv-only")  # fmt: skip
     report = report.model_copy(update={"long_context": lc})
     failed = [c for c in gate.long_context_checks(lc) if not c.passed]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -32,13 +32,26 @@ def plan_cmd(
     device: DeviceOpt = None,
     offload: OffloadOpt = "none",
     gpu_memory: GpuMemoryOpt = None,
+    gpus: Annotated[
+        int,
+        typer.Option("--gpus", min=1, help="Plan for N GPUs under torchrun (GPU figures per GPU)."),
+    ] = 1,
+    host_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--host-memory",
+            help="Plan with this much free host memory (e.g. 128GiB) instead of this "
+            "machine's: --offload auto then chooses by it. With --gpu-memory, a plan on paper "
+            "for a machine not at hand.",
+        ),
+    ] = None,
     table: Annotated[
         bool, typer.Option("--table", help="Also list every Linear module (as -v does).")
     ] = False,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
-) -> Plan:
+) -> Shown:
     """The recipe on the model, from its config alone (no weights read): each group's method,
     scheme and module count, the KV cache, the size, the resource estimate, the fused sets
     and warnings; --table (or -v) adds every Linear module's line."""
@@ -51,15 +64,27 @@ def plan_cmd(
     r = load_recipe(recipe)
     config = read_config(model, cache_dir=cache_root(cache_dir))
     plan = plan_for_config(config, r)
+    host = parse_size(host_memory, option="--host-memory")
     est = choose(plan, config, r, device or default_device(), offload=check_offload(offload),
                  free_gpu_bytes=usable_gpu_bytes(device, parse_size(gpu_memory)),
-                 free_cpu_bytes=free_cpu_bytes())  # fmt: skip
+                 free_cpu_bytes=free_cpu_bytes() if host is None else host, ranks=gpus)  # fmt: skip
     plan = plan.model_copy(update={"estimate": est})
-    if not (as_json or STATE.as_json):
-        if table or STATE.verbose:
-            log.info(module_table(plan))
-        log.info(plan_summary(plan, table=table or STATE.verbose))
-    return plan
+    full = table or STATE.verbose
+    return Shown(plan, (module_table(plan) + "\n" if full else "") + plan_summary(plan, table=full))
+
+
+class Shown:
+    """A record printed with a fuller text than its own summary (the CLI prints `summary()`
+    or, with --json, the record)."""
+
+    def __init__(self, record: Any, text: str) -> None:
+        self.record, self.text = record, text
+
+    def to_json(self) -> dict:
+        return self.record.to_json()
+
+    def summary(self) -> str:
+        return self.text
 
 
 def plan_summary(plan: Plan, *, table: bool = False) -> str:

@@ -158,7 +158,7 @@ def run(
     engine_name = ""
     with (
         log.heartbeat("long-context check"),
-        log.Progress("long-context check", total=len(runs) * len(sets), unit="lengths") as bar,
+        log.Progress("long-context check", total=len(runs) * len(sets), unit="passes") as bar,
     ):
         for label, folder, kv in runs:
             eng = make_engine(folder, kv)
@@ -194,11 +194,12 @@ def run(
 
 
 def check_artifact(
-    artifact: Path, reference: Path, recipe: Any, *, device: str | None = None,
+    artifact: Path, reference: Path, sg: Any, source: str, *, device: str | None = None,
     attention: str = "kv-only",
 ) -> LongContextCheck:  # fmt: skip
-    """`run` for a quantized folder and its reference with the recipe's `serve:` settings:
-    its engine, its KV-cache dtype, its corpus as the text around the needle."""
+    """`run` for a quantized folder and its reference with a recipe's `serve:` section (its
+    engine, KV-cache dtype and long_context) and the text of its corpus `source` around the
+    needle."""
     import json
 
     from transformers import AutoTokenizer
@@ -207,12 +208,11 @@ def check_artifact(
     from ..model.checkpoint import text_config
     from . import engines
 
-    sg = recipe.serve
-    assert sg is not None and sg.long_context is not None
+    assert sg.long_context is not None
     cfg = json.loads((Path(artifact) / "config.json").read_text(encoding="utf-8"))
     qc = cfg.get("quantization_config") or {}
     mp = text_config(cfg).get("max_position_embeddings")
-    ds, _ = load_corpus(recipe.calibration.source)
+    ds, _ = load_corpus(source)
 
     def make(folder: Path, kv: str) -> Any:
         opts = {"served_topk": 1} if sg.engine == "vllm" else {}

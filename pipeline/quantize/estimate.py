@@ -18,6 +18,10 @@ materialises the compressed shard: 41.8 GB measured on the 8B) or only L + R wit
 `auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
 fits free host memory, else disk.
 
+With --gpus G (torchrun) each rank caches 1/G of the layer inputs and calibrates 1/G of
+the tokens (assumed: the several-GPU run is not measured yet), holds the rest as one
+process does, and the host carries G processes' R.
+
 W dense bytes, Q checkpoint bytes, N×S calibration tokens, H hidden size, B batch. The
 constants are fitted to measured runs (bench/RESULTS.md "Resource estimate"): C = 0.3 GB
 (allocator and kernels), R = 2.0 GB (torch, transformers, datasets, the tokenizer), a =
@@ -53,6 +57,8 @@ METHOD_COST = {
     "cpu": {"rtn": 0.19, "gptq": 0.37, "awq": 2.47, "autoround": 9.2, "none": 0.0},
     "cuda": {"rtn": 0.1, "gptq": 0.5, "awq": 1.6, "autoround": 12.5, "none": 0.0},
 }
+ASSUMED_SPLIT = ("; --gpus N assumed to split the calibration tokens evenly over the ranks "
+                 "(not yet measured on several GPUs)")  # fmt: skip
 BASIS = ("fitted on Gemma 3 270M (H200, 2-core CPU) and an 8B-dims Llama (H200), "
          "bench/RESULTS.md")  # fmt: skip
 
@@ -62,8 +68,9 @@ def _text_config(config: Any) -> Any:
 
 
 def estimate(
-    plan: Plan, config: Any, recipe: Recipe, device: str, *, offload: str = "none"
-) -> ResourceEstimate:
+    plan: Plan, config: Any, recipe: Recipe, device: str, *, offload: str = "none",
+    ranks: int = 1,
+) -> ResourceEstimate:  # fmt: skip
     cfg = _text_config(config)
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
@@ -93,7 +100,10 @@ def estimate(
     w = plan.params.dense_bytes
     q = plan.expected_checkpoint_bytes
     unit = int(max(layer_params, vocab * hidden) * 2)  # the largest part onloaded at once
-    acts = 2 * tokens * hidden * 2
+    # --gpus N: each rank calibrates on its share of the samples and caches only its share's
+    # layer inputs; every rank holds the layer, its Hessians and the weights (ASSUMED_SPLIT)
+    ranks = max(1, ranks)
+    acts = 2 * tokens * hidden * 2 // ranks
     gpu = device.startswith("cuda")
     if not gpu:
         offload = "disk" if offload == "disk" else "none"
@@ -101,10 +111,10 @@ def estimate(
     if gpu:
         oneshot = resident + acts + hess + awq + C_GPU
         q_gpu: int | None = int(max(oneshot, resident + (q if offload == "none" else 0) + C_GPU))
-        seconds = layers * (A_S + B_S * timed_params * tokens / TOKENS_REF)
+        seconds = layers * (A_S + B_S * timed_params * tokens / ranks / TOKENS_REF)
         if offload != "none":
             seconds += layers * T_OFFLOAD * layer_params * 2
-        cpu = {"none": w, "cpu": 2 * w + 2 * q, "disk": unit}[offload] + R_CPU
+        cpu = {"none": w, "cpu": 2 * w + 2 * q, "disk": unit}[offload] + R_CPU * ranks
         # one model resident, a batch of fp32 logits and their float64 log-softmax (chunked)
         e_gpu: int | None = int(
             resident + ev.batch_size * ev.seq_len * vocab * 4 + 128 * vocab * 8 * 2 + C_GPU
@@ -116,29 +126,30 @@ def estimate(
     reference = ev.sequences * (ev.seq_len - 1) * min(4096, vocab or 4096) * 8
     # + W while quantize runs: its finished layers, kept for a resume (resume.py)
     disk = w + 2 * q + reference + w + (w if offload == "disk" else 0)
-    return ResourceEstimate(device="cuda" if gpu else "cpu", offload=offload,
+    return ResourceEstimate(device="cuda" if gpu else "cpu", offload=offload, ranks=ranks,
                             quantize_gpu_bytes=q_gpu, quantize_cpu_bytes=int(cpu),
                             quantize_s=round(seconds, 1), evaluate_gpu_bytes=e_gpu,
-                            disk_bytes=int(disk), basis=BASIS)  # fmt: skip
+                            disk_bytes=int(disk),
+                            basis=BASIS + (ASSUMED_SPLIT if ranks > 1 else ""))  # fmt: skip
 
 
 def choose(
     plan: Plan, config: Any, recipe: Recipe, device: str, *, offload: str,
-    free_gpu_bytes: int | None, free_cpu_bytes: int | None,
+    free_gpu_bytes: int | None, free_cpu_bytes: int | None, ranks: int = 1,
 ) -> ResourceEstimate:  # fmt: skip
     """The estimate for `offload`; for "auto" the first of none, cpu, disk that fits (none
     on the CPU, or when nothing is known about free memory)."""
     if offload != "auto":
-        return estimate(plan, config, recipe, device, offload=offload)
+        return estimate(plan, config, recipe, device, offload=offload, ranks=ranks)
     if free_gpu_bytes is None:
-        return estimate(plan, config, recipe, device)
+        return estimate(plan, config, recipe, device, ranks=ranks)
     for mode in ("none", "cpu"):
-        est = estimate(plan, config, recipe, device, offload=mode)
+        est = estimate(plan, config, recipe, device, offload=mode, ranks=ranks)
         gpu_ok = (est.quantize_gpu_bytes or 0) <= free_gpu_bytes
         if gpu_ok and (mode == "none" or free_cpu_bytes is None
                        or est.quantize_cpu_bytes <= free_cpu_bytes):  # fmt: skip
             return est
-    return estimate(plan, config, recipe, device, offload="disk")
+    return estimate(plan, config, recipe, device, offload="disk", ranks=ranks)
 
 
 def require_fit(

@@ -14,6 +14,8 @@ class ResourceEstimate(Record):
     """cuda or cpu."""
     offload: str = "none"
     """Where the weights live while quantize runs: none (on the device), cpu, disk."""
+    ranks: int = 1
+    """Processes (GPUs) under torchrun (--gpus); the GPU figures are per rank."""
     quantize_gpu_bytes: int | None
     """Peak GPU memory of quantize (with `offload`), null on the CPU."""
     quantize_cpu_bytes: int
@@ -35,5 +37,6 @@ class ResourceEstimate(Record):
                f"{(self.evaluate_gpu_bytes or 0) / gb:.1f} GB evaluate, "
                if self.quantize_gpu_bytes is not None else "")  # fmt: skip
         off = f" (--offload {self.offload})" if self.offload != "none" else ""
+        off += f" × {self.ranks} GPUs (GPU figures per GPU)" if self.ranks > 1 else ""
         return (f"  estimate on {self.device}{off}: {gpu}CPU {self.quantize_cpu_bytes / gb:.1f} GB, "
                 f"disk {self.disk_bytes / gb:.1f} GB, quantize ~{self.quantize_s / 60:.1f} min")  # fmt: skip

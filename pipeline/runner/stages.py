@@ -93,7 +93,8 @@ def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = 
         plan = plan_for_config(config, recipe)
         free = usable_gpu_bytes(ctx.device, ctx.gpu_memory)
         est = choose(plan, config, recipe, ctx.device or default_device(), offload=ctx.offload,
-                     free_gpu_bytes=free, free_cpu_bytes=free_cpu_bytes())  # fmt: skip
+                     free_gpu_bytes=free, free_cpu_bytes=free_cpu_bytes(),
+                     ranks=max(1, ctx.gpus))  # fmt: skip
         ctx.cache_dir.mkdir(parents=True, exist_ok=True)
         require_fit(est, free_gpu_bytes=free, recipe=recipe, free_cpu_bytes=free_cpu_bytes(),
                     free_disk_bytes=shutil.disk_usage(ctx.cache_dir).free)  # fmt: skip
@@ -287,8 +288,8 @@ def serve_stage(
                 from ..evaluate.long_context import check_artifact
 
                 attention = report.measured.attention if report.measured else "kv-only"
-                lc = check_artifact(qc.path, reference, recipe, device=ctx.device,
-                                    attention=attention)  # fmt: skip
+                lc = check_artifact(qc.path, reference, sg, recipe.calibration.source,
+                                    device=ctx.device, attention=attention)  # fmt: skip
                 line.note = lc.summary().splitlines()[0]
                 report = report.model_copy(update={"long_context": lc})
     wanted = ctx.perf or sg.gates.any()
