@@ -3,8 +3,11 @@
 # travel as in frontier_session.sh: qship's wheels (.whl), the corpus and recipes (.qship-gpu,
 # `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/formats/*.yaml
 # bench/recipes/perf/*.yaml`), the Gemma GGUF in .devstash2..6, the Qwen2.5-Coder-0.5B GGUF
-# in .devstash-q0..9, vLLM 0.26 (pack_vllm.sh) in .devstash7 (p1) and .devstash8 (p2), one
-# carry of <= 52 MB per call, moved into /root/stash at once.
+# in .devstash-q0..9, vLLM 0.26 (pack_vllm.sh) in .devstash7 (p1) and .devstash8 (p2), and
+# what `vllm serve` imports beyond that pack in .devstash9/p3whl (model-hosting-container-
+# standards 0.1.16, jmespath, supervisor: `pip download --no-deps`), one carry of <= 52 MB
+# per call, moved into /root/stash at once. Run nothing else on the GPU while vLLM starts:
+# its memory profiling fails when another process frees GPU memory meanwhile.
 #   stage    install / stash what was carried
 #   start-r8b / start-gemma / start-qwen / start-final  each job as soon as its inputs are in
 #            (setsid: they outlive the call; r8b in the first call), every row's JSON written
@@ -30,6 +33,7 @@ L=.qship-gpu/recipes
 Q="python3 -m pipeline.cli"
 RECIPES="fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8 w4a16-gptq"
 PERF="rtn-w4a16 fp8-dynamic-rtn w8a8-int8-rtn w4a8-fp8-rtn"
+SPEED="rtn-w4a16 fp8-dynamic-rtn"  # served speed: the anchors' formats and W4A8 (device time)
 
 link() { [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu; }
 bg() {  # JOB in the background, outliving the call; $S/JOB.done when it ends
@@ -88,9 +92,9 @@ long_context() {  # retrieval at 4k, 16k and 32k tokens, FP8 KV as served and 16
 
 speed() {  # alone on the GPU: the 8B checkpoints, then Qwen's artifacts
   local c=""
-  for r in $PERF; do [ -f "$S/r8b-$r/config.json" ] && c="$c $r=$S/r8b-$r"; done
+  for r in ${SPEED:-$PERF}; do [ -f "$S/r8b-$r/config.json" ] && c="$c $r=$S/r8b-$r"; done
   QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py --reference "$S/r8b" --out "$S/rows/perf-r8b" \
-    --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-2}" $c
+    --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-1}" --min-prompts "${MINP:-8}" $c
   echo "== perf r8b rc $?"
   local ref
   ref=$(python3 -c "import json;print(json.load(open('$S/rows/qwen-fetch.json'))['path'])" 2>/dev/null)

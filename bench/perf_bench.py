@@ -31,9 +31,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts-per-stream", type=int, default=8)
+    ap.add_argument("--min-prompts", type=int, default=16, help="per workload and repeat")
     ap.add_argument("candidates", nargs="+", help="NAME=DIR")
     a = ap.parse_args()
-    wls = [w.model_copy(update={"num_prompts": max(16, a.prompts_per_stream * w.concurrency)})
+    wls = [w.model_copy(update={"num_prompts": max(a.min_prompts, a.prompts_per_stream * w.concurrency)})
            for w in DEFAULT_WORKLOADS]  # fmt: skip
     cfg = ServeGate(engine="vllm", workloads=wls, repeats=a.repeats)
     a.out.mkdir(parents=True, exist_ok=True)

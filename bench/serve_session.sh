@@ -24,7 +24,7 @@ unpack_vllm() {  # whatever parts of the slimmed vLLM have arrived: tarballs and
   for f in "$S"/vllm_*.tar.xz; do
     [ -f "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('/root/site')" "$f" && rm "$f"
   done
-  for d in "$S"/p1whl "$S"/p2whl; do
+  for d in "$S"/p1whl "$S"/p2whl "$S"/p3whl; do
     [ -d "$d" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/deps "$d"/*.whl && rm -rf "$d"
   done
   du -sh /root/site /root/deps 2>/dev/null

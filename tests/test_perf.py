@@ -1,7 +1,9 @@
 """Served performance (pipeline/evaluate/perf.py) without a GPU: a fake runner returns vLLM
 benchmark output in the format vLLM 0.26's `vllm bench serve --save-result` writes
-(tests/fixtures/vllm_bench: per model, workload and repeat, and the server logs), and
-everything after it -- the figures, the speed gates, the workload schema, the comparison
+(tests/fixtures/vllm_bench: per model, workload and repeat, and the server logs; the
+reference's 1-stream runs, its server log and one refused 64-stream pass are recorded from a
+real run -- vLLM 0.26.0 serving an 8B-dims bf16 model on an H100, 2026-12-05 -- the rest is
+written in their format), and everything after it -- the figures, the speed gates, the workload schema, the comparison
 report and the model card -- runs for real."""
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def test_figures_are_the_medians_of_the_recorded_runs(tmp_path):
             _recorded("candidate", w.name, "output_throughput")
             / _recorded("reference", w.name, "output_throughput")
         )
-    assert res.reference.weights_gib == pytest.approx(14.9878)
+    assert res.reference.weights_gib == pytest.approx(14.96)  # recorded: H100, 8B dims, bf16
     assert res.candidate.kv_cache_tokens == 1_011_696
     assert res.candidate.kernels == {"CompressedTensorsWNA16": "MacheteLinearKernel"}
     assert res.workloads[1].num_prompts == 8 * 64  # 8 per stream by default
@@ -95,6 +97,18 @@ def test_a_run_that_lost_requests_or_figures_is_an_error(tmp_path):
 
     with pytest.raises(StageError, match="completed"):
         perf.measure(tmp_path / "c", tmp_path / "r", ServeGate(), Lossy())
+    # recorded (H100, 8B dims): the server, started at exactly 1024 + 256 tokens, refused 12 of
+    # 64 random prompts that re-encoded longer; such a pass is not a figure
+    refused = json.loads((FIX / "recorded-refused-64-streams.json").read_text())
+    assert refused["failed"] == 12
+    with pytest.raises(StageError, match="64 requests sent, 52 completed"):
+        perf.figures([refused], "64-streams")
+    # the server now gets room for that: 1024 + 256 + 1024 // 8 + 32, within the context
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    assert perf._max_model_len(tmp_path / "m", ServeGate()) == 1440
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"max_position_embeddings": 1300}))
+    assert perf._max_model_len(tmp_path / "m", ServeGate()) == 1300
 
     class NoP99(RecordedRunner):
         def run(self, model_dir, label, cfg, raw_dir):
@@ -168,7 +182,10 @@ def test_compare_report_recommends_per_workload(tmp_path):
     assert fastest(rows) == {"1-stream": "w4-g128", "64-streams": "w4-g128"}
     words = recommendation(rep)
     assert "Fastest passing recipe per workload (NVIDIA H200, vllm 0.26.0)" in words
-    assert "1-stream: **w4-g128** (W4A16), 1.75x" in words
+    sp = _recorded("candidate", "1-stream", "output_throughput") / _recorded(
+        "reference", "1-stream", "output_throughput"
+    )
+    assert f"1-stream: **w4-g128** (W4A16), {sp:.2f}x" in words
     out = write_report(rows, tmp_path / "rep")
     md = (tmp_path / "rep" / "compare.md").read_text()
     assert "1-stream speed-up" in md and "| formats |" in md and "W8A8-FP8" in md
@@ -188,6 +205,7 @@ def test_model_card_states_the_served_speed(tmp_path):
                              quantization_config={"quant_method": "compressed-tensors"},
                              evaluation=ev)  # fmt: skip
     assert "## Served speed (vllm 0.26.0, NVIDIA H200)" in card
-    assert "| 1-stream | 256 → 128, 1 |" in card and "1.75x" in card
-    assert "Weights on the GPU: 5.37 GiB (16-bit: 14.99)" in card
+    sp = res.workloads[0].speedup
+    assert "| 1-stream | 256 → 128, 1 |" in card and f"{sp:.2f}x" in card
+    assert "Weights on the GPU: 5.37 GiB (16-bit: 14.96)" in card
     assert "MacheteLinearKernel for CompressedTensorsWNA16" in card

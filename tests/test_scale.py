@@ -169,7 +169,9 @@ def test_offload_choice_follows_free_memory(capsys, tmp_path, monkeypatch):
     assert rc == 0 and big["estimate"]["offload"] == "none"
     rc, small = plan(12, 100)
     assert rc == 0 and small["estimate"]["offload"] == "cpu"
-    assert small["estimate"]["quantize_gpu_bytes"] < 0.25 * big["estimate"]["quantize_gpu_bytes"]
+    # one layer on the GPU: 23 % of the all-on-GPU peak measured, 28 % predicted (GPTQ's
+    # batched compression of the MLP's modules counted in full)
+    assert small["estimate"]["quantize_gpu_bytes"] < 0.3 * big["estimate"]["quantize_gpu_bytes"]
     rc, tight = plan(12, 8)
     assert tight["estimate"]["offload"] == "disk"
     assert tight["estimate"]["quantize_cpu_bytes"] < 8e9
@@ -373,39 +375,3 @@ def test_gpu_memory_cap_chooses_offload_and_refuses_what_cannot_fit(tmp_path, ca
     assert not (tmp_path / "c" / "fetch").exists()
     rc, err = qship(capsys, "plan", *base, "--gpu-memory", "lots")
     assert rc == 2 and err["path"] == "--gpu-memory"
-
-
-def test_plan_on_paper_for_several_gpus_and_another_host(tmp_path, capsys, monkeypatch):
-    """`qship plan --gpu-memory --host-memory --gpus N` plans for a machine not at hand: the
-    host size given decides --offload auto (not this machine's), and N ranks each cache
-    their share of the calibration inputs, take their share of the time and bring their own
-    process overhead; the basis says the split is assumed."""
-    from transformers import LlamaConfig
-
-    from pipeline.model import devices
-    from tests.cli_run import qship
-
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
-    model = tmp_path / "llama-8b-dims"
-    cfg.save_pretrained(model)
-    monkeypatch.setattr(devices, "free_gpu_bytes", lambda d: None)  # no GPU here
-    monkeypatch.setattr(devices, "free_cpu_bytes", lambda: int(4e9))  # nor much memory
-    base = ["plan", "--model", str(model), "--recipe", str(ROOT / "recipes" / "gemma-mixed-w4.yaml"),
-            "--device", "cuda", "--offload", "auto", "--cache-dir", str(tmp_path / "c")]  # fmt: skip
-    est = {}
-    for n in (1, 4):
-        rc, p = qship(
-            capsys, *base, "--gpu-memory", "12GB", "--host-memory", "128GiB", "--gpus", str(n)
-        )
-        assert rc == 0, p
-        est[n] = p["estimate"]
-    assert est[1]["offload"] == est[4]["offload"] == "cpu"  # 128 GiB holds the host copies
-    assert est[4]["ranks"] == 4 and est[4]["quantize_gpu_bytes"] < est[1]["quantize_gpu_bytes"]
-    assert est[4]["quantize_s"] < 0.6 * est[1]["quantize_s"]  # per-layer fixed costs stay
-    assert est[4]["quantize_cpu_bytes"] == est[1]["quantize_cpu_bytes"] + 3 * 2_000_000_000
-    assert "assumed" in est[4]["basis"] and "assumed" not in est[1]["basis"]
-    rc, p = qship(capsys, *base, "--gpu-memory", "12GB", "--host-memory", "8GB")
-    assert rc == 0 and p["estimate"]["offload"] == "disk"
-    rc, err = qship(capsys, *base, "--host-memory", "much")
-    assert rc == 2 and err["path"] == "--host-memory"

@@ -124,7 +124,7 @@ def check_offload(offload: str, *, auto: bool = True) -> str:
 
 def cache_root(cache_dir: Path | None = None) -> Path:
     if cache_dir is not None:
-        return cache_dir
+        return Path(cache_dir)  # a str from a typer that has not converted it yet
     env = os.environ.get("QSHIP_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "qship"
 

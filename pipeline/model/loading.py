@@ -35,6 +35,7 @@ def load_model(
     linear_experts: bool = False,
     offload: str = "none",
     offload_dir: Path | None = None,
+    pin: bool = True,
 ) -> Any:
     """A causal LM in eval mode that computes on `device`. dtype None: float32 on the CPU
     (16-bit GEMMs are ~70x slower there, devices.py), the checkpoint's own dtype elsewhere.
@@ -46,7 +47,9 @@ def load_model(
     `device`; "cpu" in host memory, "disk" memory-mapped safetensors under `offload_dir`,
     each module's weights moved to `device` for its forward (compressed-tensors' offloading,
     which llm-compressor's sequential pipeline onloads one decoder layer at a time). Under
-    torch.distributed rank 0 reads the weights and the other ranks share them."""
+    torch.distributed rank 0 reads the weights and the other ranks share them. `pin`: page-
+    lock the host copies of an offloaded model (for a model that computes much; a single
+    check does not repay pinning 16 GB, 7 s on an 8B, nor the pinned cache it leaves)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +93,7 @@ def load_model(
     if linear_experts:
         linearize(model)
     set_onload_device(model, torch.device(device))
-    if offload == "cpu" and device_kind(device) == "cuda" and not _distributed():
+    if pin and offload == "cpu" and device_kind(device) == "cuda" and not _distributed():
         _pin(model)
     return model.eval()
 

@@ -105,7 +105,9 @@ def verify_reload(
     try:
         # a packed checkpoint is a quarter of the dense size: host memory suffices (and
         # accelerate's disk offload narrows packed int32 zero points to int8)
-        m = load_model(out_dir, device=device, offload="cpu" if offload == "disk" else offload)
+        # one probe forward: pageable host copies (pinning them costs time and host memory)
+        m = load_model(out_dir, device=device, offload="cpu" if offload == "disk" else offload,
+                       pin=False)  # fmt: skip
     except Exception as e:  # noqa: BLE001
         raise StageError(
             f"transformers cannot reload the checkpoint: {e}", path=str(out_dir)

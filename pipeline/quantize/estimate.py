@@ -2,19 +2,22 @@
 
     GPU peak  = max(oneshot, reload check)
       oneshot = W + 2·N·S·H·2 (the sequential pipeline's cached layer inputs and outputs,
-                bf16) + the largest layer's GPTQ Hessians (in² · 4 bytes per Linear) + AWQ's
-                eager attention scores (B · heads · S² · 4) + C
+                bf16) + the largest layer's GPTQ Hessians (in² · 4 bytes per Linear) and
+                GPTQ's batched compression of same-shape modules (_gptq_batches: the MoE
+                term) + AWQ's eager attention scores (B · heads · S² · 4) + C
       reload  = W + Q + C (the saved checkpoint reloaded and decompressed for the check)
     CPU peak  = W (loaded on the host first; fp32 on a CPU run) + R
-    time      = layers · (a + b · layer params · N·S / 65,536) on a GPU,
+    time      = layers · (a · layer's quantized Linears + b · layer params · N·S / 65,536)
+                on a GPU,
                 layers · k · layer params · N·S on a CPU
 
 With --offload cpu|disk the weights stay off the GPU and one decoder layer (or the
 embeddings / lm_head) is there at a time: W above becomes 2·L, L the largest such unit's
 bytes (it and its quantized copy); each layer's weights cross to the GPU and back, + T
-seconds per byte of layer (time); the host holds 2·W + 2·Q + R with cpu (the calibrated
-model is still there while the reload check decompresses the saved one, and the save
-materialises the compressed shard: 41.8 GB measured on the 8B) or only L + R with disk.
+seconds per byte of layer (time); the host holds 2·W + 2·Q + R with cpu (41.2 GB measured
+on the 8B, its peak in the reload check: the calibrated model's page-locked blocks, cached
+by torch, beside the reloaded copy -- the check no longer pins and the cache is released;
+the formula stays until that is measured) or only L + R with disk.
 `auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
 fits free host memory, else disk.
 
@@ -25,16 +28,17 @@ process does, and the host carries G processes' R.
 W dense bytes, Q checkpoint bytes, N×S calibration tokens, H hidden size, B batch. The
 constants are fitted to measured runs (bench/RESULTS.md "Resource estimate"): C = 0.3 GB
 (allocator and kernels), R = 2.0 GB (torch, transformers, datasets, the tokenizer), a =
-0.425 s and b = 8.14e-9 s per parameter at 65,536 tokens (H200: Gemma 3 270M and an
-8B-dims Llama), k = 2.2e-10 s per parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9
+0.425 / 7 s per quantized Linear and b = 8.14e-9 s per parameter at 65,536 tokens (H200:
+Gemma 3 270M and an 8B-dims Llama, 7 quantized Linears a layer), k = 2.2e-10 s per parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9
 s per byte (H200 host link, page-locked host copies: 8B dims, --offload cpu vs none).
 The time terms count each Linear's parameters weighted by what its method costs relative to
 the mixed recipe the constants were fitted on (METHOD_COST): on the 2-core CPU (Gemma 3 270M,
 32 x 256 tokens, one process per recipe) RTN took 33.7 s, GPTQ 66.5 s, AWQ 445.9 s and the
 mixed recipe 181.8 s; on the H200 (128 x 512 tokens) RTN 8.4 s, GPTQ 7.9-10.6 s, AWQ 16.3 s,
 mixed 15.5 s and AutoRound 272.3 s (about 25x GPTQ). A module kept 16-bit costs nothing.
-Not yet fitted for MoE: on 2 layers of Qwen3-30B-A3B dims the GPU peak measured 18.7 GB
-against 9.4 GB predicted (bench/RESULTS.md, "Fused sets"); the phase that grows is unknown.
+MoE: on 2 layers of Qwen3-30B-A3B dims (128 experts of 2048x768) the GPU peak measured
+18.67 GB; without the batched compression the estimate said 9.44 GB, with it 18.6 GB. The oneshot time there (81.2 s wall for the whole quantize, the GPU shared part
+of the time) is the per-Linear term's only MoE point so far (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ from ..records.plan import Plan
 GB = 1e9
 C_GPU = 0.3 * GB
 R_CPU = 2.0 * GB
-A_S, B_S, TOKENS_REF = 0.425, 8.14e-9, 65_536
+# a per quantized Linear: 0.425 s per layer fitted on dense layers of 7 such modules, which
+# carries over to an MoE layer's hundreds of expert Linears (hooks, batches, bookkeeping)
+A_S, B_S, TOKENS_REF = 0.425 / 7, 8.14e-9, 65_536
 K_CPU = 2.2e-10
 T_OFFLOAD = 0.7e-9
 # seconds per parameter-token of each method / the mixed recipe's (the fit above)
@@ -67,9 +73,32 @@ def _text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
+def _gptq_batches(in_layers: list, plan: Plan, ranks: int, free_gpu_bytes: int | None) -> int:
+    """GPTQ's compression beyond the accumulated Hessians: llm-compressor 0.14 quantizes a
+    layer's same-shape modules as one stacked batch (`batched_quantization: auto`, as many
+    as fit in 75 % of free GPU memory), with a stacked copy of their Hessians and three
+    weight-sized fp32 working tensors (4·(in² + 3·out·in) bytes a module). 128 experts of
+    one shape make this the MoE term: +9.1 GB on a Qwen3-30B-A3B-dims layer, where 9.2 GB
+    were measured beyond the rest; on a dense 8B layer +1.5 GB (+0.5 to +1.3 measured)."""
+    shapes: dict[tuple[str, int, int], int] = {}
+    for m in in_layers:
+        if m.method == "gptq":
+            layer = next(d for d in plan.decoder_layers if m.name.startswith(d + "."))
+            key = (layer, m.out_features, m.in_features)
+            shapes[key] = shapes.get(key, 0) + 1
+    extra = 0
+    for (_, out_f, in_f), n in shapes.items():
+        per = 4 * (in_f * in_f + 3 * out_f * in_f)
+        n = -(-n // ranks)  # each rank compresses its share of the modules
+        if free_gpu_bytes:
+            n = min(n, max(1, int(free_gpu_bytes * 0.75) // per))
+        extra = max(extra, n * per)
+    return extra
+
+
 def estimate(
     plan: Plan, config: Any, recipe: Recipe, device: str, *, offload: str = "none",
-    ranks: int = 1,
+    ranks: int = 1, free_gpu_bytes: int | None = None,
 ) -> ResourceEstimate:  # fmt: skip
     cfg = _text_config(config)
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
@@ -91,7 +120,8 @@ def estimate(
         if m.method == "gptq":
             layer = next(d for d in plan.decoder_layers if m.name.startswith(d + "."))
             per_layer_hess[layer] = per_layer_hess.get(layer, 0) + m.in_features**2 * 4
-    hess = max(per_layer_hess.values(), default=0)
+    hess = max(per_layer_hess.values(), default=0) + _gptq_batches(in_layers, plan, ranks,
+                                                                   free_gpu_bytes)  # fmt: skip
     awq = (
         cal.batch_size * heads * cal.seq_len**2 * 4
         if any(m.method == "awq" for m in plan.modules)
@@ -111,7 +141,10 @@ def estimate(
     if gpu:
         oneshot = resident + acts + hess + awq + C_GPU
         q_gpu: int | None = int(max(oneshot, resident + (q if offload == "none" else 0) + C_GPU))
-        seconds = layers * (A_S + B_S * timed_params * tokens / ranks / TOKENS_REF)
+        per_layer_modules = sum(1 for m in in_layers if m.method != "none") / layers
+        seconds = layers * (
+            A_S * per_layer_modules + B_S * timed_params * tokens / ranks / TOKENS_REF
+        )
         if offload != "none":
             seconds += layers * T_OFFLOAD * layer_params * 2
         cpu = {"none": w, "cpu": 2 * w + 2 * q, "disk": unit}[offload] + R_CPU * ranks
@@ -140,16 +173,19 @@ def choose(
     """The estimate for `offload`; for "auto" the first of none, cpu, disk that fits (none
     on the CPU, or when nothing is known about free memory)."""
     if offload != "auto":
-        return estimate(plan, config, recipe, device, offload=offload, ranks=ranks)
+        return estimate(plan, config, recipe, device, offload=offload, ranks=ranks,
+                        free_gpu_bytes=free_gpu_bytes)  # fmt: skip
     if free_gpu_bytes is None:
         return estimate(plan, config, recipe, device, ranks=ranks)
     for mode in ("none", "cpu"):
-        est = estimate(plan, config, recipe, device, offload=mode, ranks=ranks)
+        est = estimate(plan, config, recipe, device, offload=mode, ranks=ranks,
+                       free_gpu_bytes=free_gpu_bytes)  # fmt: skip
         gpu_ok = (est.quantize_gpu_bytes or 0) <= free_gpu_bytes
         if gpu_ok and (mode == "none" or free_cpu_bytes is None
                        or est.quantize_cpu_bytes <= free_cpu_bytes):  # fmt: skip
             return est
-    return estimate(plan, config, recipe, device, offload="disk", ranks=ranks)
+    return estimate(plan, config, recipe, device, offload="disk", ranks=ranks,
+                    free_gpu_bytes=free_gpu_bytes)  # fmt: skip
 
 
 def require_fit(
