@@ -83,6 +83,9 @@ def test_a_preset_and_its_long_form_are_one_recipe():
         ({"bits": 8, "strategy": "block", "block": [128, 128]}, "FP8 weights"),
         ({"preset": "W8A8", "activations": {"strategy": "token", "dynamic": False}}, "static"),
         ({"preset": "FP8_BLOCK", "activations": {"strategy": "group"}}, "group_size"),
+        ({"preset": "W4AFP8", "observer": "imatrix_mse"}, "weight-only"),
+        ({"preset": "FP8_DYNAMIC", "observer": "imatrix_mse"}, "weight-only"),
+        ({"bits": 4, "strategy": "tensor", "observer": "imatrix_mse"}, "group or channel"),
     ],
 )
 def test_bad_schemes_name_the_field(tmp_path, scheme, words):

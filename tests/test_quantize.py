@@ -291,6 +291,37 @@ def test_mse_observer_is_used_and_recorded(tiny_gemma, quantized, tokens, work):
         assert not torch.equal(a.get_tensor(key), b.get_tensor(key))
 
 
+def test_imatrix_observer_weights_the_search_by_the_calibration_activations(
+    tiny_gemma, quantized, tokens, work
+):
+    """`observer: imatrix_mse` (llm-compressor's importance-weighted MSE search) makes a
+    data-free RTN recipe a calibrated one, reaches the saved config, and chooses scales that
+    depend on the calibration text."""
+    r = _small("gptq-w4")
+    for g in r.groups:
+        if g.scheme:
+            g.scheme.observer = "imatrix_mse"
+    res = quantize(tiny_gemma, r, work / "gptq-imatrix", tokens=tokens(tiny_gemma, r), device="cpu")
+    qc = json.loads((res.path / "config.json").read_text())["quantization_config"]
+    assert {g["weights"]["observer"] for g in qc["config_groups"].values()} == {"imatrix_mse"}
+    # the scales follow the calibration text: other samples, other scales (min-max and the
+    # unweighted mse search read the weights alone)
+    r2 = r.model_copy(deep=True)
+    r2.calibration.seed = r.calibration.seed + 1
+    other = {
+        "min-max": quantized(tiny_gemma, "gptq-w4").path,
+        "imatrix, other samples": quantize(tiny_gemma, r2, work / "gptq-imatrix-2", tokens=build_token_sets(
+            AutoTokenizer.from_pretrained(tiny_gemma), r2.calibration, r2.evaluation,
+            cache_dir=work / "cache"), device="cpu").path,
+    }  # fmt: skip
+    key = "model.layers.0.mlp.down_proj.weight_scale"
+    with safe_open(str(res.path / "model.safetensors"), "pt") as a:
+        mine = a.get_tensor(key)
+    for name, path in other.items():
+        with safe_open(str(path / "model.safetensors"), "pt") as b:
+            assert not torch.equal(mine, b.get_tensor(key)), name
+
+
 def test_calibrated_model_is_released_after_quantize(tiny_gemma, quantized):
     """llm-compressor's session must not keep the calibrated model alive into the reload
     check (it would sit beside the reloaded checkpoint at the stage's memory peak)."""

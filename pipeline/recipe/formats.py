@@ -95,8 +95,10 @@ class Scheme(_Strict):
     block: list[int] | None = None
     # how the weight scales are chosen: null = the library default (min-max of each group);
     # mse = llm-compressor's "mse" observer, a grid search over shrunken ranges that keeps
-    # the one with the least rounding error (clipping a few outliers buys finer steps)
-    observer: Literal["mse"] | None = None
+    # the one with the least rounding error (clipping a few outliers buys finer steps);
+    # imatrix_mse = the same search weighted by each input channel's mean squared
+    # activation on the calibration data (llama.cpp's importance matrix; calibrated)
+    observer: Literal["mse", "imatrix_mse"] | None = None
     # a module whose input width the group size does not divide: error (exit 2), or
     # fallback to the largest group size >= 32 that divides it, else one scale per channel
     on_indivisible: Literal["error", "fallback"] = "error"
@@ -151,6 +153,14 @@ class Scheme(_Strict):
                 raise ValueError("FP8 weights take strategy channel, tensor or block")
         elif self.strategy == "block":
             raise ValueError("strategy block is for FP8 weights (type: float)")
+        if self.observer == "imatrix_mse":
+            # llm-compressor's IMatrixMSEObserver: weight-only, channel or group scales
+            if self.activations is not None or self.type != "int":
+                raise ValueError("observer imatrix_mse is for integer weight-only schemes (no "
+                                 "activations); use mse or null here")  # fmt: skip
+            if self.strategy not in ("group", "channel"):
+                raise ValueError(f"observer imatrix_mse takes strategy group or channel, not "
+                                 f"{self.strategy}")  # fmt: skip
         return self
 
 

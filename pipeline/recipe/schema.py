@@ -299,13 +299,16 @@ class Recipe(_Strict):
 
     def needs_calibration(self) -> bool:
         """False for a data-free recipe (RTN weights, dynamic or no activation scales, no
-        KV-cache scales, no SmoothQuant): quantize reads no calibration text."""
+        KV-cache scales, no SmoothQuant, no importance-weighted observer): quantize reads no
+        calibration text."""
         static_act = any(g.scheme and g.scheme.activations and not g.scheme.activations.dynamic
                          for g in self.groups)  # fmt: skip
+        imatrix = any(g.scheme and g.scheme.observer == "imatrix_mse" for g in self.groups)
         return (
             self.kv_cache is not None
             or self.smoothquant is not None
             or static_act
+            or imatrix
             or any(g.method in CALIBRATED_METHODS for g in self.groups)
         )
 
