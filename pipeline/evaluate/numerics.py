@@ -23,16 +23,37 @@ import torch
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
-def fp8_round(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """x through float8_e4m3fn with a per-tensor scale (saturating, as vLLM's static
-    per-tensor quantization does), back in x's dtype."""
+def fp8_round(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """x through float8_e4m3fn with a static scale (per tensor, or a tensor that broadcasts
+    over x: per head), saturating as vLLM's static quantization does, back in x's dtype."""
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(x.device)
     y = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return (y.float() * scale).to(x.dtype)
 
 
-def _q_scale(module: Any) -> float:
+def _q_scale(module: Any) -> float | torch.Tensor:
+    """The query's FP8 scale as vLLM 0.26 applies it: 1.0 without a calibrated q_scale; one
+    per tensor; or, stored per query head (attn_head), reduced to one per KV head by the max
+    over that head's group (FlashAttention takes one descale per KV head) and broadcast over
+    the query's [batch, heads, tokens, dim]."""
     s = getattr(module, "q_scale", None)
-    return float(s.float().item()) if isinstance(s, torch.Tensor) and s.numel() == 1 else 1.0
+    if not isinstance(s, torch.Tensor):
+        return 1.0
+    if s.numel() == 1:
+        return float(s.float().item())
+    s = s.detach().float().flatten()
+    kv_heads = int(getattr(module.config, "num_key_value_heads", 0) or s.numel())
+    per_kv = s.view(kv_heads, -1).amax(dim=1)
+    return per_kv.repeat_interleave(s.numel() // kv_heads).view(1, -1, 1, 1)
+
+
+def _unhooked(impl: str) -> str:
+    from compressed_tensors.modeling import attention as ct_attention
+
+    if impl == ct_attention.HOOKED_ATTENTION_NAME:
+        return ct_attention.QuantizedAttentionImpl._original_impl
+    return impl
 
 
 @contextlib.contextmanager
@@ -49,7 +70,11 @@ def served_attention(model: Any, numerics: str, hooked: list[torch.nn.Module]) -
     ids = {id(m) for m in hooked}
     local = registry._local_mapping
     had, old = impl in local, local.get(impl)
-    base = registry.get(impl) if impl != "eager" else None
+    # a checkpoint with a calibrated query scale loads with compressed-tensors' hooked
+    # attention, which would round the query again (per query head, not as vLLM does): the
+    # attention it wraps runs here instead
+    inner = _unhooked(impl)
+    base = registry.get(inner) if inner != "eager" else None
 
     def attention(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if id(module) in ids and getattr(module, "quantization_enabled", True):

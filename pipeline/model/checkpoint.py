@@ -43,6 +43,7 @@ from .devices import DTYPES
 from .matching import matches
 from .moe import saved_name_to_module
 from .quantized_tensors import (
+    ATTN_TENSORS,
     KV_SCALES,
     QUANT_PARAMS,
     UNPACKED_PARAMS,
@@ -253,12 +254,16 @@ def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems
 
     kv = isinstance(qc.get("kv_cache_scheme"), dict)
     attention = sorted({n.rsplit(".", 1)[0] for n in mods if n.endswith((".k_proj", ".qkv_proj"))})
+    query = attention and _attention_group(qc, type(model.get_submodule(attention[0])).__name__)
     for attn in attention:
-        for s in KV_SCALES:
-            name = f"{attn}.{s}"
-            expected.add(name)
-            if kv and name not in tensors:
-                p.add("config.json", f"kv_cache_scheme set but {name} is absent")
+        for s in (*KV_SCALES, *ATTN_TENSORS):
+            expected.add(f"{attn}.{s}")
+        for s in (*KV_SCALES, "q_scale") if query else KV_SCALES:
+            if (kv or query) and f"{attn}.{s}" not in tensors:
+                p.add("config.json", f"{'attention' if query else 'kv_cache_scheme'} "
+                                     f"quantization set but {attn}.{s} is absent")  # fmt: skip
+    if not query:  # q_scale and zero points belong to attention quantization alone
+        expected -= {f"{a}.{s}" for a in attention for s in ATTN_TENSORS}
     for msg in split_fused(schemes):  # a checkpoint written elsewhere, or before the rule
         p.add("config.json", msg)
     check_scale_values(root, tensors, headers, p)
@@ -266,6 +271,13 @@ def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems
     for name in sorted(set(tensors) - expected):
         p.add(tensors[name][0], f"{name}: not a tensor of {type(model).__name__}")
     return schemes, kv
+
+
+def _attention_group(qc: dict, attention_class: str) -> bool:
+    """A config group that quantizes the attention modules themselves (their query): one
+    target, their class name -- the form vLLM 0.26 recognises and leaves to its KV method."""
+    return any(g.get("targets") == [attention_class] and g.get("input_activations")
+               for g in (qc.get("config_groups") or {}).values())  # fmt: skip
 
 
 def _file_of(tensors: Tensors, module: str) -> str:

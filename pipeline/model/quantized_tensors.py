@@ -26,6 +26,12 @@ QUANT_PARAMS = (
 UNPACKED_PARAMS = ("weight", "weight_scale", "weight_zero_point", "input_scale")
 STORED_DTYPE = {"int": "I8", "float": "F8_E4M3"}
 KV_SCALES = ("k_scale", "v_scale")
+# attention quantization (a calibrated query scale) adds q_scale; llm-compressor also writes
+# zero points for all three, which vLLM loads and ignores (symmetric FP8)
+ATTN_TENSORS = ("q_scale", "q_zero_point", "k_zero_point", "v_zero_point")
+# an FP8 attention scale is amax / 448: anything outside this was never calibrated (memory
+# left as it was allocated: 1e-43 and 8e21 seen from llm-compressor 0.14's query scale)
+ATTN_SCALE_RANGE = (1e-10, 1e4)
 
 
 def scale_shape(w: dict, out: int, inn: int) -> tuple[int, ...] | str:
@@ -84,7 +90,9 @@ def check_scale_values(root: Path, tensors: Tensors, headers, p: Problems) -> No
     reached is saved with NaN or 0 scales, which load fine and then produce garbage."""
     import torch
 
-    ends = (".weight_scale", ".input_scale", *(f".{s}" for s in KV_SCALES))
+    attn = (*(f".{s}" for s in KV_SCALES), ".q_scale")
+    lo, hi = ATTN_SCALE_RANGE
+    ends = (".weight_scale", ".input_scale", *attn)
     names = [n for n in tensors if n.endswith(ends)]
     by_file: dict[str, list[str]] = {}
     for n in names:
@@ -102,6 +110,9 @@ def check_scale_values(root: Path, tensors: Tensors, headers, p: Problems) -> No
                     if bad:
                         p.add(rel, f"{n}: {bad} of {t.numel()} scale(s) not finite and positive "
                                    "(a module that calibration did not reach?)")  # fmt: skip
+                    elif n.endswith(attn) and not bool(((t >= lo) & (t <= hi)).all()):
+                        p.add(rel, f"{n}: scale {t.min().item():.3g}..{t.max().item():.3g} is "
+                                   "no calibrated FP8 attention scale (never observed?)")  # fmt: skip
         except Exception as e:  # noqa: BLE001 - an unreadable tensor is a problem, not a crash
             p.add(rel, f"cannot read scales ({type(e).__name__}: {str(e)[:120]})")
 

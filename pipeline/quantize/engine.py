@@ -45,6 +45,7 @@ from .metrics import capture_metrics
 from .modifiers import build_modifiers
 from .patches import (
     awq_lean_grid_search,
+    hooked_attention_stays_hooked,
     library_logs_to_stderr,
     rank_local_device,
     without_accelerator,
@@ -160,6 +161,7 @@ def _quantize(
     with (
         without_accelerator() as pin_patched,
         rank_local_device(),
+        hooked_attention_stays_hooked(),
         lean,
         capture_metrics(model, plan, on_layer=ranks.layer_done, store=store) as got,
         restoring(model, store),

@@ -106,9 +106,17 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
 
     groups = {g.name: g for g in recipe.groups}
     kv = None
+    attn: dict[str, Any] = {}
     if recipe.kv_cache is not None:
-        kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False,
-                              symmetric=True)  # fmt: skip
+        kv = QuantizationArgs(num_bits=8, type="float", strategy=recipe.kv_cache.strategy,
+                              dynamic=False, symmetric=True)  # fmt: skip
+        if recipe.kv_cache.query and plan.attention_class:
+            from compressed_tensors.quantization import QuantizationScheme
+
+            # attention quantization: the query's scale calibrated beside K and V; one class
+            # name as target, which vLLM recognises and leaves to its KV-cache method
+            attn["attention"] = QuantizationScheme(targets=[plan.attention_class],
+                                                   input_activations=kv)  # fmt: skip
     owner = {m.name: m.group for m in plan.modules}
     mods: list[Any] = []
     sq = [[list(mp.balance), mp.smooth] for mp in plan.smoothquant if mp.applied]
@@ -138,8 +146,8 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
     gptq_sets = _option_sets(recipe, plan, "gptq")
     ar_sets = _option_sets(recipe, plan, "autoround")
     # AutoRound cannot carry the KV scheme (it takes every scheme it holds for a weight's)
-    if qm_groups or (kv is not None and not gptq_sets):
-        mods.append(QuantizationModifier(config_groups=qm_groups, kv_cache_scheme=kv))
+    if qm_groups or attn or (kv is not None and not gptq_sets):
+        mods.append(QuantizationModifier(config_groups={**qm_groups, **attn}, kv_cache_scheme=kv))
         kv = None
     for names in gptq_sets.values():
         opts = groups[names[0]].options

@@ -178,6 +178,41 @@ def awq_lean_grid_search() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def hooked_attention_stays_hooked() -> Iterator[None]:
+    """llm-compressor 0.14 forces eager attention while it calibrates by setting
+    `model.config._attn_implementation = "eager"` (utils/helpers.py:use_eager_attention: the
+    sequential pipeline's traced graph needs eager's causal mask). On a model whose
+    attention compressed-tensors hooked for attention quantization ("ct_hooked_attention")
+    that bypasses the hook: the query is never observed and its q_scale is saved as
+    uninitialized memory (1e-43 to 1e21 on the tiny Llama), while K and V, hooked through
+    the cache, calibrate. Inside the block such a model keeps its hook (which runs the
+    model's own attention function: compressed-tensors cannot wrap eager, which transformers
+    does not register) and gets eager's causal mask, the tensor the trace expects."""
+    import llmcompressor.utils.helpers as helpers
+    from compressed_tensors.modeling import attention as ct_attention
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as masks
+
+    original = check_replaceable(helpers, "use_eager_attention", ("model",))
+    hooked = ct_attention.HOOKED_ATTENTION_NAME
+
+    @contextlib.contextmanager
+    def use_eager_attention(model: Any) -> Iterator[None]:
+        if getattr(getattr(model, "config", None), "_attn_implementation", None) != hooked:
+            with original(model):
+                yield
+            return
+        old_mask = masks[hooked]
+        masks.register(hooked, masks["eager"])  # a mask tensor always, as the trace expects
+        try:
+            yield
+        finally:
+            masks.register(hooked, old_mask)
+
+    with patched(helpers, "use_eager_attention", use_eager_attention, params=("model",)):
+        yield
+
+
 def _first_output(out):
     return out[0] if isinstance(out, tuple) else out
 

@@ -127,6 +127,26 @@ RELOAD_FAULTS = {"mixtral": "transformers 5.17 cannot load back the experts of a
                  "come back random)"}  # fmt: skip
 
 
+def _scales_per_layer(recipe: Recipe, cfg: Any) -> int:
+    """The KV cache's scale tensors' elements per attention layer: k and v (and q), one per
+    tensor or one per head (K/V heads, query heads); exit 2 for attn_head on a model whose
+    query heads do not group evenly over its KV heads (vLLM reduces q per KV head)."""
+    kv = recipe.kv_cache
+    if kv is None:
+        return 0
+    if kv.strategy == "tensor":
+        return 2 + int(kv.query)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", 0) or heads)
+    if not heads or heads % kv_heads:
+        raise RecipeError(
+            f"kv_cache.strategy attn_head: {heads} query heads do not group evenly over "
+            f"{kv_heads} KV heads (vLLM reduces the query's scales per KV head)",
+            path=recipe.path, hint="use kv_cache.strategy: tensor for this model",
+        )  # fmt: skip
+    return 2 * kv_heads + (heads if kv.query else 0)
+
+
 def check_reloadable(modules: list[ModulePlan], model_type: str, recipe: Recipe) -> None:
     """Exit 2 before compute for a family whose checkpoint the pinned transformers cannot
     load back (RELOAD_FAULTS)."""
@@ -182,7 +202,9 @@ def build_plan(model: Any, recipe: Recipe, structure: Structure | None = None) -
         if id(p) not in linear_w or (emb_w is not None and p is emb_w):
             other_bytes += p.numel() * dtype_bits // 8
     attention = [lp for lp in structure.layers if lp.attention]
-    kv_bytes = 2 * len(attention) * dtype_bits // 8 if recipe.kv_cache else 0
+    kv_bytes = len(attention) * _scales_per_layer(recipe, cfg_text) * dtype_bits // 8
+    attn_class = (type(model.get_submodule(attention[0].attention)).__name__
+                  if attention and recipe.kv_cache and recipe.kv_cache.query else None)  # fmt: skip
     expected = other_bytes + sum(m.stored_bytes for m in modules) + kv_bytes
     q = [m for m in modules if m.scheme]
     untied = [m for m in modules if not m.tied]
@@ -226,6 +248,7 @@ def build_plan(model: Any, recipe: Recipe, structure: Structure | None = None) -
         mappings=mappings,
         smoothquant=smoothing,
         kv_cache=recipe.kv_cache,
+        attention_class=attn_class,
         decoder_layers=[lp.layer for lp in structure.layers],
         structure_rule=structure.rule,
         roles={r: len(names) for r, names in structure.roles.items()},

@@ -10,7 +10,7 @@ Top-level keys (all others are an error):
                             observer, on_indivisible, activations} (formats.py),
                    options: {...}}]
     others       error | keep      -- a Linear no group claims
-    kv_cache     {scheme: fp8_e4m3, strategy: tensor, dynamic: false} | null
+    kv_cache     {scheme: fp8_e4m3, strategy: tensor|attn_head, dynamic: false, query} | null
     calibration  {source, num_samples, seq_len, batch_size, seed, all_experts,
                   min_expert_tokens}
     evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit, task_batch_size,
@@ -165,9 +165,14 @@ class Group(_Strict):
 
 
 class KVCache(_Strict):
+    """FP8 KV cache with calibrated scales: one per tensor, or one per KV head (attn_head,
+    which vLLM 0.26 loads since its PR 30141). query: calibrate the query's FP8 scale too
+    (attention quantization; vLLM serves FP8 attention with q_scale 1.0 otherwise)."""
+
     scheme: Literal["fp8_e4m3"] = "fp8_e4m3"
-    strategy: Literal["tensor"] = "tensor"
+    strategy: Literal["tensor", "attn_head"] = "tensor"
     dynamic: Literal[False] = False
+    query: bool = False
 
 
 class CalibrationConfig(_Strict):

@@ -171,6 +171,9 @@ class Plan(Record):
     """SmoothQuant's norm mappings (recipe `smoothquant`), applied or skipped with why."""
     kv_cache: KVCache | None
     """The KV-cache scheme, or null for a 16-bit KV cache."""
+    attention_class: str | None = None
+    """The attention modules' class (e.g. LlamaAttention): what a calibrated query scale's
+    config group targets, the name vLLM recognises and leaves to its KV-cache method."""
     decoder_layers: list[str]
     """The decoder layers, in order (llm-compressor's sequential pipeline goes layer by layer)."""
     structure_rule: str = ""
@@ -217,7 +220,10 @@ class Plan(Record):
                 + tied
             )
         applied = len(self.applied_mappings())
-        kv = f"KV cache {self.kv_cache.scheme} per tensor" if self.kv_cache else "KV cache 16-bit"
+        kv = (f"KV cache {self.kv_cache.scheme} per "
+              f"{'KV head' if self.kv_cache.strategy == 'attn_head' else 'tensor'}"
+              f"{', query scale calibrated' if self.kv_cache.query else ''}"
+              if self.kv_cache else "KV cache 16-bit")  # fmt: skip
         maps = f"; AWQ mappings {applied} applied, {len(self.mappings) - applied} skipped"
         lines.append(f"  {kv}" + (maps if self.mappings else ""))
         bpw = self.bits_per_weight
