@@ -159,3 +159,20 @@ def test_the_patch_is_what_calibrates_the_query(tiny_llama, tmp_path, monkeypatc
     with contextlib.suppress(IntegrityError, StageError):
         quantize(tiny_llama, r, tmp_path / "without", tokens=tokens, device="cpu")
     assert calls["n"] == 0
+
+
+@pytest.mark.parametrize("group", ["attention", "attention_query"])
+def test_a_recipe_group_named_like_the_query_group_keeps_its_scheme(tiny_llama, tmp_path, group):
+    """The query's config group must not take the place of a recipe group of the same name
+    (rtn-w4's attention group was replaced: its q_proj saved unquantized)."""
+    d = yaml.safe_load(RECIPE)
+    d["groups"][0]["name"] = group
+    r = parse_recipe(d, path="RECIPE")
+    tokens = build_token_sets(AutoTokenizer.from_pretrained(tiny_llama), r.calibration,
+                              r.evaluation, cache_dir=tmp_path / "c")  # fmt: skip
+    qc = quantize(tiny_llama, r, tmp_path / "q", tokens=tokens, device="cpu")  # checks pass
+    groups = json.loads((qc.path / "config.json").read_text())["quantization_config"][
+        "config_groups"
+    ]
+    assert sum(g["targets"] == ["LlamaAttention"] for g in groups.values()) == 1
+    assert sum(bool(g.get("weights")) for g in groups.values()) == 1

@@ -115,8 +115,8 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
 
             # attention quantization: the query's scale calibrated beside K and V; one class
             # name as target, which vLLM recognises and leaves to its KV-cache method
-            attn["attention"] = QuantizationScheme(targets=[plan.attention_class],
-                                                   input_activations=kv)  # fmt: skip
+            attn["attention_query"] = QuantizationScheme(targets=[plan.attention_class],
+                                                         input_activations=kv)  # fmt: skip
     owner = {m.name: m.group for m in plan.modules}
     mods: list[Any] = []
     sq = [[list(mp.balance), mp.smooth] for mp in plan.smoothquant if mp.applied]
@@ -146,6 +146,8 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
     gptq_sets = _option_sets(recipe, plan, "gptq")
     ar_sets = _option_sets(recipe, plan, "autoround")
     # AutoRound cannot carry the KV scheme (it takes every scheme it holds for a weight's)
+    while attn and set(attn) & set(qm_groups):  # a recipe group of that name keeps its own
+        attn = {k + "_": v for k, v in attn.items()}
     if qm_groups or attn or (kv is not None and not gptq_sets):
         mods.append(QuantizationModifier(config_groups={**qm_groups, **attn}, kv_cache_scheme=kv))
         kv = None
