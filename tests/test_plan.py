@@ -57,7 +57,9 @@ def test_mixed_plan_assigns_every_linear(model, request):
         "scheme": "fp8_e4m3",
         "strategy": "tensor",
         "dynamic": False,
+        "query": False,
     }
+    assert plan.attention_class is None  # no query scale: no attention config group
     assert plan.decoder_layers == [f"model.layers.{i}" for i in range(LAYERS)]
     # AWQ mappings only for the attention group: never touching the MLP
     assert plan.mappings and all(
