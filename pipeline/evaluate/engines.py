@@ -12,9 +12,11 @@ deployment would and returns its log-probs at requested tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,19 +67,27 @@ class TransformersEngine:
         self.facts = {"kv_hooked_attention_modules": str(len(self.hooked)),
                       "attention": self.attention, "device": self.device}  # fmt: skip
 
-    @torch.inference_mode()
-    def logprobs_at(
-        self, ids: torch.Tensor, want: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    @contextlib.contextmanager
+    def _as_served(self) -> Iterator[None]:
+        """The KV-cache rounding on or off, and the attention numerics the measurement used."""
         from .numerics import served_attention
-        from .scoring import forward_logits, kv_quantization
+        from .scoring import kv_quantization
 
-        per_seq = ids.shape[1] - 1
-        out, top1 = [], []
         with (
             kv_quantization(self.model, self.kv_on),
             served_attention(self.model, self.attention, self.hooked),
         ):
+            yield
+
+    @torch.inference_mode()
+    def logprobs_at(
+        self, ids: torch.Tensor, want: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        from .scoring import forward_logits
+
+        per_seq = ids.shape[1] - 1
+        out, top1 = [], []
+        with self._as_served():
             for s in range(0, ids.shape[0], self.batch_size):
                 logits, _ = forward_logits(self.model, ids[s : s + self.batch_size])
                 rows = want[s * per_seq : s * per_seq + logits.shape[0]].to(logits.device)
@@ -92,16 +102,10 @@ class TransformersEngine:
         """[N, n]: the top-1 token predicted at each of each row's last n positions, one
         row at a time, logits only where they are read (a 32k-token row's full logits over
         Gemma's 262k vocabulary would be 34 GB)."""
-        from .numerics import served_attention
-        from .scoring import kv_quantization
-
         dev = next(self.model.parameters()).device
         keep = torch.arange(ids.shape[1] - n - 1, ids.shape[1] - 1, device=dev)
         out = []
-        with (
-            kv_quantization(self.model, self.kv_on),
-            served_attention(self.model, self.attention, self.hooked),
-        ):
+        with self._as_served():
             for row in ids:
                 logits = self.model(input_ids=row[None].to(dev), use_cache=False,
                                     logits_to_keep=keep).logits  # fmt: skip

@@ -95,6 +95,7 @@ def build(tokenizer: Any, filler: list[int], length: int, trials: int, seed: int
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     specials = list(tokenizer("", add_special_tokens=True)["input_ids"])  # BOS, if any
+    header, question = enc(HEADER), enc(QUESTION)
     rng = random.Random(f"{seed}/{length}")
     rows, keys, n_ans = [], [], None
     for i in range(trials):
@@ -109,7 +110,7 @@ def build(tokenizer: Any, filler: list[int], length: int, trials: int, seed: int
             raise StageError(f"the tokenizer splits the passkey {key} differently in the needle "
                              "and in the answer: it cannot be copied token by token",
                              hint="report this tokenizer; the check cannot score it")  # fmt: skip
-        fixed = specials + enc(HEADER) + needle + enc(QUESTION) + ans
+        fixed = specials + header + needle + question + ans
         room = length - len(fixed)
         if room < 16:
             raise UsageError(
@@ -121,7 +122,7 @@ def build(tokenizer: Any, filler: list[int], length: int, trials: int, seed: int
         start = rng.randrange(len(filler))
         text = (filler[start:] + filler * (1 + room // len(filler)))[:room]
         at = int(room * (i + 0.5) / trials)
-        row = specials + enc(HEADER) + text[:at] + needle + text[at:] + enc(QUESTION) + ans
+        row = specials + header + text[:at] + needle + text[at:] + question + ans
         assert len(row) == length, (len(row), length)
         rows.append(row)
         keys.append(key)

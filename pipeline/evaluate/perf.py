@@ -31,6 +31,7 @@ from typing import Protocol
 
 from .. import log
 from ..errors import StageError, UsageError
+from ..model.checkpoint import text_config
 from ..recipe import ServeGate, Workload
 from ..records.perf import ModelServing, PerfFigures, ServedPerf, WorkloadPerf
 from .engines import kernels_in_log, unavailable
@@ -135,7 +136,7 @@ def _context(model_dir: Path) -> int | None:
         c = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    limit = (c.get("text_config") or c).get("max_position_embeddings")
+    limit = text_config(c).get("max_position_embeddings")
     return limit if isinstance(limit, int) and limit > 0 else None
 
 

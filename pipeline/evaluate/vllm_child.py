@@ -90,21 +90,25 @@ def main(work: Path) -> None:
     if gen:  # the long-context check: greedy continuations, no log-probs
         sp = SamplingParams(max_tokens=gen, min_tokens=gen, temperature=0.0, ignore_eos=True,
                             detokenize=False)  # fmt: skip
-        t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=r.tolist()) for r in ids], sp,
-                            use_tqdm=False)  # fmt: skip
-        facts["score_s"] = round(time.perf_counter() - t0, 2)
-        got = torch.tensor([list(o.outputs[0].token_ids)[:gen] for o in outs], dtype=torch.long)
-        save_file({"generated": got}, str(work / "out.safetensors"))
-        (work / "facts.json").write_text(json.dumps(facts, indent=1, sort_keys=True))
-        return
-    want = data["want"].long()
-    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+    else:
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=r.tolist()) for r in ids], sp,
                         use_tqdm=False)  # fmt: skip
     facts["score_s"] = round(time.perf_counter() - t0, 2)
-    per_seq = ids.shape[1] - 1
+    if gen:
+        got = torch.tensor([list(o.outputs[0].token_ids)[:gen] for o in outs], dtype=torch.long)
+        save_file({"generated": got}, str(work / "out.safetensors"))
+    else:
+        vals, top1, facts["missing"] = _logprobs(outs, data["want"].long(), ids.shape[1] - 1)
+        save_file({"vals": vals, "top1": top1}, str(work / "out.safetensors"))
+    (work / "facts.json").write_text(json.dumps(facts, indent=1, sort_keys=True))
+
+
+def _logprobs(outs, want, per_seq: int):
+    """(vals [N, m], top1 [N], missing) from the prompt log-probs of each output."""
+    import torch
+
     vals = torch.empty(want.shape, dtype=torch.float64)
     top1 = torch.empty(want.shape[0], dtype=torch.long)
     missing = 0
@@ -118,9 +122,7 @@ def main(work: Path) -> None:
             row = [table.get(i) for i in want[r].tolist()]
             missing += sum(v is None for v in row)
             vals[r] = torch.tensor([floor if v is None else v for v in row], dtype=torch.float64)
-    facts["missing"] = missing
-    save_file({"vals": vals, "top1": top1}, str(work / "out.safetensors"))
-    (work / "facts.json").write_text(json.dumps(facts, indent=1, sort_keys=True))
+    return vals, top1, missing
 
 
 if __name__ == "__main__":

@@ -255,15 +255,15 @@ def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems
     kv = isinstance(qc.get("kv_cache_scheme"), dict)
     attention = sorted({n.rsplit(".", 1)[0] for n in mods if n.endswith((".k_proj", ".qkv_proj"))})
     query = attention and _attention_group(qc, type(model.get_submodule(attention[0])).__name__)
+    # q_scale and the zero points belong to attention quantization alone
+    allowed = (*KV_SCALES, *ATTN_TENSORS) if query else KV_SCALES
+    required = (*KV_SCALES, "q_scale") if query else KV_SCALES
     for attn in attention:
-        for s in (*KV_SCALES, *ATTN_TENSORS):
-            expected.add(f"{attn}.{s}")
-        for s in (*KV_SCALES, "q_scale") if query else KV_SCALES:
+        expected.update(f"{attn}.{s}" for s in allowed)
+        for s in required:
             if (kv or query) and f"{attn}.{s}" not in tensors:
                 p.add("config.json", f"{'attention' if query else 'kv_cache_scheme'} "
                                      f"quantization set but {attn}.{s} is absent")  # fmt: skip
-    if not query:  # q_scale and zero points belong to attention quantization alone
-        expected -= {f"{a}.{s}" for a in attention for s in ATTN_TENSORS}
     for msg in split_fused(schemes):  # a checkpoint written elsewhere, or before the rule
         p.add("config.json", msg)
     check_scale_values(root, tensors, headers, p)

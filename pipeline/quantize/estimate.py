@@ -29,16 +29,18 @@ W dense bytes, Q checkpoint bytes, N×S calibration tokens, H hidden size, B bat
 constants are fitted to measured runs (bench/RESULTS.md "Resource estimate"): C = 0.3 GB
 (allocator and kernels), R = 2.0 GB (torch, transformers, datasets, the tokenizer), a =
 0.425 / 7 s per quantized Linear and b = 8.14e-9 s per parameter at 65,536 tokens (H200:
-Gemma 3 270M and an 8B-dims Llama, 7 quantized Linears a layer), k = 2.2e-10 s per parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9
-s per byte (H200 host link, page-locked host copies: 8B dims, --offload cpu vs none).
+Gemma 3 270M and an 8B-dims Llama, 7 quantized Linears a layer), k = 2.2e-10 s per
+parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9 s per byte (H200 host link,
+page-locked host copies: 8B dims, --offload cpu vs none).
 The time terms count each Linear's parameters weighted by what its method costs relative to
 the mixed recipe the constants were fitted on (METHOD_COST): on the 2-core CPU (Gemma 3 270M,
 32 x 256 tokens, one process per recipe) RTN took 33.7 s, GPTQ 66.5 s, AWQ 445.9 s and the
 mixed recipe 181.8 s; on the H200 (128 x 512 tokens) RTN 8.4 s, GPTQ 7.9-10.6 s, AWQ 16.3 s,
 mixed 15.5 s and AutoRound 272.3 s (about 25x GPTQ). A module kept 16-bit costs nothing.
 MoE: on 2 layers of Qwen3-30B-A3B dims (128 experts of 2048x768) the GPU peak measured
-18.67 GB; without the batched compression the estimate said 9.44 GB, with it 18.6 GB. The oneshot time there (81.2 s wall for the whole quantize, the GPU shared part
-of the time) is the per-Linear term's only MoE point so far (bench/RESULTS.md).
+18.67 GB; without the batched compression the estimate said 9.44 GB, with it 18.6 GB. The
+oneshot time there (81.2 s wall for the whole quantize, the GPU shared part of the time)
+is the per-Linear term's only MoE point so far (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -73,26 +75,26 @@ def _text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-def _gptq_batches(in_layers: list, plan: Plan, ranks: int, free_gpu_bytes: int | None) -> int:
+def _gptq_batches(gptq_by_layer: dict[str, list], ranks: int, free_gpu_bytes: int | None) -> int:
     """GPTQ's compression beyond the accumulated Hessians: llm-compressor 0.14 quantizes a
     layer's same-shape modules as one stacked batch (`batched_quantization: auto`, as many
     as fit in 75 % of free GPU memory), with a stacked copy of their Hessians and three
     weight-sized fp32 working tensors (4·(in² + 3·out·in) bytes a module). 128 experts of
     one shape make this the MoE term: +9.1 GB on a Qwen3-30B-A3B-dims layer, where 9.2 GB
     were measured beyond the rest; on a dense 8B layer +1.5 GB (+0.5 to +1.3 measured)."""
-    shapes: dict[tuple[str, int, int], int] = {}
-    for m in in_layers:
-        if m.method == "gptq":
-            layer = next(d for d in plan.decoder_layers if m.name.startswith(d + "."))
-            key = (layer, m.out_features, m.in_features)
-            shapes[key] = shapes.get(key, 0) + 1
     extra = 0
-    for (_, out_f, in_f), n in shapes.items():
-        per = 4 * (in_f * in_f + 3 * out_f * in_f)
-        n = -(-n // ranks)  # each rank compresses its share of the modules
-        if free_gpu_bytes:
-            n = min(n, max(1, int(free_gpu_bytes * 0.75) // per))
-        extra = max(extra, n * per)
+    for modules in gptq_by_layer.values():
+        shapes: dict[tuple[int, int], int] = {}
+        for m in modules:
+            shapes[(m.out_features, m.in_features)] = (
+                shapes.get((m.out_features, m.in_features), 0) + 1
+            )
+        for (out_f, in_f), n in shapes.items():
+            per = 4 * (in_f * in_f + 3 * out_f * in_f)
+            n = -(-n // ranks)  # each rank compresses its share of the modules
+            if free_gpu_bytes:
+                n = min(n, max(1, int(free_gpu_bytes * 0.75) // per))
+            extra = max(extra, n * per)
     return extra
 
 
@@ -107,21 +109,23 @@ def estimate(
     layers = max(len(plan.decoder_layers), 1)
     cal, ev = recipe.calibration, recipe.evaluation
     tokens = cal.num_samples * cal.seq_len
-    in_layers = [
-        m for m in plan.modules if any(m.name.startswith(d + ".") for d in plan.decoder_layers)
-    ]
+    # --gpus N: each rank calibrates on its share of the samples and caches only its share's
+    # layer inputs; every rank holds the layer, its Hessians and the weights (ASSUMED_SPLIT)
+    ranks = max(1, ranks)
+    layer_of = {m.name: next((d for d in plan.decoder_layers if m.name.startswith(d + ".")), None)
+                for m in plan.modules}  # fmt: skip
+    in_layers = [m for m in plan.modules if layer_of[m.name]]
     layer_params = sum(m.in_features * m.out_features for m in in_layers) / layers
     cost = METHOD_COST["cuda" if device.startswith("cuda") else "cpu"]
     # the parameters of a layer as the time fit counts them: weighted by each method's cost
     timed_params = sum(m.in_features * m.out_features * cost.get(m.method, 1.0)
                        for m in in_layers) / layers  # fmt: skip
-    per_layer_hess: dict[str, int] = {}
+    gptq_by_layer: dict[str, list] = {}
     for m in in_layers:
         if m.method == "gptq":
-            layer = next(d for d in plan.decoder_layers if m.name.startswith(d + "."))
-            per_layer_hess[layer] = per_layer_hess.get(layer, 0) + m.in_features**2 * 4
-    hess = max(per_layer_hess.values(), default=0) + _gptq_batches(in_layers, plan, ranks,
-                                                                   free_gpu_bytes)  # fmt: skip
+            gptq_by_layer.setdefault(str(layer_of[m.name]), []).append(m)
+    hess = max((sum(m.in_features**2 * 4 for m in ms) for ms in gptq_by_layer.values()), default=0)
+    hess += _gptq_batches(gptq_by_layer, ranks, free_gpu_bytes)
     awq = (
         cal.batch_size * heads * cal.seq_len**2 * 4
         if any(m.method == "awq" for m in plan.modules)
@@ -130,9 +134,6 @@ def estimate(
     w = plan.params.dense_bytes
     q = plan.expected_checkpoint_bytes
     unit = int(max(layer_params, vocab * hidden) * 2)  # the largest part onloaded at once
-    # --gpus N: each rank calibrates on its share of the samples and caches only its share's
-    # layer inputs; every rank holds the layer, its Hessians and the weights (ASSUMED_SPLIT)
-    ranks = max(1, ranks)
     acts = 2 * tokens * hidden * 2 // ranks
     gpu = device.startswith("cuda")
     if not gpu:

@@ -76,7 +76,7 @@ class _AnonSampler:
     def __init__(self) -> None:
         self.peak = self.gen = 0
         self.lock = threading.Lock()
-        self.alive = _status_kb("RssAnon") is not None
+        self.alive = _status_kb("RssAnon")["RssAnon"] is not None
         if self.alive:  # the thread ends with its sampler (a weak reference)
             args = (weakref.ref(self),)
             threading.Thread(
@@ -85,7 +85,8 @@ class _AnonSampler:
 
     def _sample(self) -> None:
         gen = self.gen  # a reading from before a take() belongs to the phase that ended
-        now = ((_status_kb("RssAnon") or 0) + (_status_kb("RssShmem") or 0)) * 1024
+        kb = _status_kb("RssAnon", "RssShmem")
+        now = sum(v or 0 for v in kb.values()) * 1024
         with self.lock:
             if gen == self.gen:
                 self.peak = max(self.peak, now)
@@ -108,19 +109,22 @@ def _sampling(ref: weakref.ref[_AnonSampler]) -> None:
         time.sleep(0.05)
 
 
-def _status_kb(field: str) -> int | None:
+def _status_kb(*fields: str) -> dict[str, int | None]:
+    """{field: kB} from one read of /proc/self/status (None where absent: not Linux)."""
+    out: dict[str, int | None] = dict.fromkeys(fields)
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
+            name, _, rest = line.partition(":")
+            if name in out:
+                out[name] = int(rest.split()[0])
     except OSError:
         pass
-    return None
+    return out
 
 
 def host_peak() -> int | None:
     """The process's resident high-water mark since the last reset (Linux), in bytes."""
-    kb = _status_kb("VmHWM")
+    kb = _status_kb("VmHWM")["VmHWM"]
     return None if kb is None else kb * 1024
 
 

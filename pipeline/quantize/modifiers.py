@@ -106,7 +106,7 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
 
     groups = {g.name: g for g in recipe.groups}
     kv = None
-    attn: dict[str, Any] = {}
+    query = None
     if recipe.kv_cache is not None:
         kv = QuantizationArgs(num_bits=8, type="float", strategy=recipe.kv_cache.strategy,
                               dynamic=False, symmetric=True)  # fmt: skip
@@ -115,8 +115,7 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
 
             # attention quantization: the query's scale calibrated beside K and V; one class
             # name as target, which vLLM recognises and leaves to its KV-cache method
-            attn["attention_query"] = QuantizationScheme(targets=[plan.attention_class],
-                                                         input_activations=kv)  # fmt: skip
+            query = QuantizationScheme(targets=[plan.attention_class], input_activations=kv)
     owner = {m.name: m.group for m in plan.modules}
     mods: list[Any] = []
     sq = [[list(mp.balance), mp.smooth] for mp in plan.smoothquant if mp.applied]
@@ -146,10 +145,13 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
     gptq_sets = _option_sets(recipe, plan, "gptq")
     ar_sets = _option_sets(recipe, plan, "autoround")
     # AutoRound cannot carry the KV scheme (it takes every scheme it holds for a weight's)
-    while attn and set(attn) & set(qm_groups):  # a recipe group of that name keeps its own
-        attn = {k + "_": v for k, v in attn.items()}
-    if qm_groups or attn or (kv is not None and not gptq_sets):
-        mods.append(QuantizationModifier(config_groups={**qm_groups, **attn}, kv_cache_scheme=kv))
+    if query is not None:
+        name = "attention_query"
+        while name in qm_groups:  # a recipe group of that name keeps its own scheme
+            name += "_"
+        qm_groups = {**qm_groups, name: query}
+    if qm_groups or (kv is not None and not gptq_sets):
+        mods.append(QuantizationModifier(config_groups=qm_groups, kv_cache_scheme=kv))
         kv = None
     for names in gptq_sets.values():
         opts = groups[names[0]].options
