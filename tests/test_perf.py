@@ -209,3 +209,71 @@ def test_model_card_states_the_served_speed(tmp_path):
     assert "| 1-stream | 256 → 128, 1 |" in card and f"{sp:.2f}x" in card
     assert "Weights on the GPU: 5.37 GiB (16-bit: 14.96)" in card
     assert "MacheteLinearKernel for CompressedTensorsWNA16" in card
+
+
+STAND_IN_CLI = """
+import json, os, sys
+def main():  # `vllm bench serve ARGS` as the child calls it: writes its result file
+    a = sys.argv
+    assert a[1:3] == ["bench", "serve"], a
+    get = lambda k: a[a.index(k) + 1]
+    with open(os.environ["STAND_IN_PIDS"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    if int(get("--seed")) == int(os.environ.get("STAND_IN_FAIL_SEED", "-1")):
+        raise SystemExit(3)
+    res = {"output_throughput": float(get("--seed")), "completed": int(get("--num-prompts"))}
+    with open(os.path.join(get("--result-dir"), get("--result-filename")), "w") as f:
+        json.dump(res, f)
+"""
+
+
+def _stand_in_vllm(tmp_path, monkeypatch, fail_seed=None):
+    pkg = tmp_path / "site" / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(STAND_IN_CLI)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("STAND_IN_PIDS", str(tmp_path / "pids"))
+    if fail_seed is not None:
+        monkeypatch.setenv("STAND_IN_FAIL_SEED", str(fail_seed))
+    bench = perf.VllmBench.__new__(perf.VllmBench)  # no GPU here: the constructor refuses
+    bench.python, bench.start_timeout_s, bench.bench_timeout_s = (
+        __import__("sys").executable,
+        60,
+        120,
+    )
+    return bench
+
+
+def test_bench_passes_run_in_one_child_and_keep_each_result(tmp_path, monkeypatch):
+    """Every pass of every workload goes to one child (vLLM imported once per model, not per
+    pass); the warm-up is not kept; results land in raw_dir; a stale file does not count."""
+    bench = _stand_in_vllm(tmp_path, monkeypatch)
+    cfg = ServeGate(repeats=3, seed=7)
+    raw, tmp = tmp_path / "raw", tmp_path / "tmp"
+    tmp.mkdir()
+    raw.mkdir()
+    stale = raw / f"cand-{cfg.workloads[0].name}-0.json"
+    stale.write_text(json.dumps({"output_throughput": 999.0}))
+    out = perf.ServedRun(engine="vllm", gpu="x")
+    bench._bench("/m", 1234, cfg, tmp, out, "cand", raw)
+    assert len(set((tmp_path / "pids").read_text().split())) == 1
+    assert len((tmp_path / "pids").read_text().split()) == len(cfg.workloads) * 4
+    for w in cfg.workloads:
+        assert [r["output_throughput"] for r in out.results[w.name]] == [7.0, 8.0, 9.0]
+        assert [r["completed"] for r in out.results[w.name]] == [w.prompts()] * 3
+        assert (raw / f"cand-{w.name}-2.json").is_file()
+    assert "--seed 7" in out.command
+
+
+def test_bench_failure_keeps_the_passes_before_it(tmp_path, monkeypatch):
+    bench = _stand_in_vllm(tmp_path, monkeypatch, fail_seed=8)
+    cfg = ServeGate(repeats=3, seed=7)
+    (tmp_path / "tmp").mkdir()
+    out = perf.ServedRun(engine="vllm", gpu="x")
+    with pytest.raises(StageError, match="exit 3; no result for"):
+        bench._bench("/m", 1234, cfg, tmp_path / "tmp", out, "cand", tmp_path / "raw")
+    first = cfg.workloads[0].name
+    assert [r["output_throughput"] for r in out.results[first]] == [7.0]
+    assert (tmp_path / "raw" / f"cand-{first}-0.json").is_file()

@@ -373,5 +373,11 @@ def test_gpu_memory_cap_chooses_offload_and_refuses_what_cannot_fit(tmp_path, ca
     rc, err = qship(capsys, "run", *base, "--out", str(tmp_path / "art"), "--gpu-memory", "1GiB")
     assert rc == 2 and "GB of GPU memory" in err["message"] and "1.1 GB are free" in err["message"]
     assert not (tmp_path / "c" / "fetch").exists()
+    # `qship quantize` plans the same way before it reads a weight (the config-only folder
+    # has none: reaching the load would be another error)
+    q = ["--model", str(model), "--recipe", recipe, "--device", "cuda", "--offload", "auto",
+         "--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "q")]  # fmt: skip
+    rc, err = qship(capsys, "quantize", *q, "--gpu-memory", "1GiB")
+    assert rc == 2 and "GB of GPU memory" in err["message"] and not (tmp_path / "q").exists()
     rc, err = qship(capsys, "plan", *base, "--gpu-memory", "lots")
     assert rc == 2 and err["path"] == "--gpu-memory"

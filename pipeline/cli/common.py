@@ -113,7 +113,7 @@ def parse_size(text: str | None, *, option: str = "--gpu-memory") -> int | None:
 
 
 def check_offload(offload: str, *, auto: bool = True) -> str:
-    """A valid --offload; `auto` only where a resource estimate chooses (run, plan)."""
+    """A valid --offload; `auto` only where a resource estimate chooses (run, quantize, plan)."""
     allowed = OFFLOAD_CHOICES if auto else OFFLOAD_CHOICES[1:]
     if offload not in allowed:
         raise UsageError(f"--offload {offload!r} is not one of {', '.join(allowed)}",

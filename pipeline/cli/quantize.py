@@ -123,6 +123,7 @@ def quantize_cmd(
     out: Annotated[Path, typer.Option("--out", help="Output directory (must not exist).")],
     device: DeviceOpt = None,
     offload: OffloadOpt = "none",
+    gpu_memory: GpuMemoryOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -131,19 +132,22 @@ def quantize_cmd(
     from transformers import AutoTokenizer
 
     from ..data.tokens import build_token_sets
-    from ..model.loading import load_meta_model
-    from ..quantize import build_plan, quantize
+    from ..quantize import quantize
     from ..recipe import load_recipe
+    from ..runner.stages import Context, check_recipe
 
-    check_offload(offload, auto=False)
     r = load_recipe(recipe)
-    build_plan(load_meta_model(model), r)  # an invalid recipe: exit 2 before any compute
+    # as `qship run` does: the plan and the estimate before any weight is read (exit 2), auto
+    # offload resolved by it, the process held to --gpu-memory
+    ctx = Context(cache_dir=cache_root(cache_dir), device=device, offload=check_offload(offload),
+                  gpu_memory=parse_size(gpu_memory))  # fmt: skip
+    check_recipe(str(model), r, ctx, show_plan=False)
     with log.stage("tokens") as line:
         tokens = build_token_sets(AutoTokenizer.from_pretrained(model), r.calibration,
-                                  r.evaluation, cache_dir=cache_root(cache_dir))  # fmt: skip
+                                  r.evaluation, cache_dir=ctx.cache_dir)  # fmt: skip
         line.note = tokens.info.summary()
     with log.stage("quantize") as line:
-        qc = quantize(model, r, out, tokens=tokens, device=device, offload=offload)
+        qc = quantize(model, r, out, tokens=tokens, device=device, offload=ctx.offload)
         assert qc is not None  # one process: always the writer
         line.note = f"{qc.checkpoint.bits_per_weight_quantized:.3f} bits/weight → {out}"
     return qc

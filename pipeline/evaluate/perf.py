@@ -5,7 +5,8 @@ OpenAI server (`vllm serve`, in vLLM's environment: $QSHIP_VLLM_PYTHON) and runs
 `vllm bench serve` against it for every workload of the recipe (`serve.workloads`): random
 prompts of prompt_len tokens, exactly output_len generated (EOS ignored), at most
 `concurrency` in flight, one warm-up pass, then `repeats` passes with seeds seed, seed+1, ...
-Each pass's result JSON is kept (raw_dir, written as it completes: a lost machine loses one
+All passes of a model run in one child process (vllm_bench_child.py: vLLM's imports paid once);
+each pass's result JSON is kept (raw_dir, written as it completes: a lost machine loses one
 pass). The server's log gives the weights' GPU memory, the KV-cache capacity in tokens and the
 kernel vLLM chose per quantization scheme (a silent fallback shows there).
 
@@ -15,6 +16,7 @@ output tokens/s over the reference's on the same GPU in the same run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -205,18 +207,7 @@ class VllmBench:
             try:
                 self._wait(proc, port, logf, label)
                 out = ServedRun(engine=_engine(self.python), gpu=_gpu())
-                for w in cfg.workloads:
-                    # warm-up: one pass at the workload's concurrency, not kept
-                    self._bench(model, port, w, cfg.seed + 1000, max(w.concurrency, 4), Path(tmp))
-                    for r in range(cfg.repeats):
-                        res, cmd = self._bench(model, port, w, cfg.seed + r, w.prompts(), Path(tmp))
-                        out.results.setdefault(w.name, []).append(res)
-                        out.command = out.command or " ".join(cmd)
-                        if raw_dir is not None:  # kept as it completes
-                            raw_dir.mkdir(parents=True, exist_ok=True)
-                            (raw_dir / f"{label}-{w.name}-{r}.json").write_text(json.dumps(res))
-                        log.detail(f"{label} {w.name} #{r + 1}: "
-                                   f"{res.get('output_throughput', 0):.0f} tok/s")  # fmt: skip
+                self._bench(model, port, cfg, Path(tmp), out, label, raw_dir)
             finally:
                 proc.terminate()
                 try:
@@ -246,25 +237,50 @@ class VllmBench:
         raise StageError(f"vLLM's server did not answer within {self.start_timeout_s:.0f} s",
                          path=str(logf), hint="see its log")  # fmt: skip
 
-    def _bench(self, model: str, port: int, w: Workload, seed: int, n: int,
-               tmp: Path) -> tuple[dict, list[str]]:  # fmt: skip
-        name = f"r{seed}-{w.name}.json"
-        cmd = self._cli(
-            "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
-            "--model", model, "--dataset-name", "random", "--random-input-len",
-            str(w.prompt_len), "--random-output-len", str(w.output_len), "--num-prompts", str(n),
-            "--max-concurrency", str(w.concurrency), "--seed", str(seed), "--ignore-eos",
-            "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", str(tmp), "--result-filename", name,
-        )  # fmt: skip
-        rc, output = log.run_child(cmd, label=f"vllm bench serve ({w.name})",
+    def _bench(self, model: str, port: int, cfg: ServeGate, tmp: Path, out: ServedRun,
+               label: str, raw_dir: Path | None) -> None:  # fmt: skip
+        """Every workload's passes (a warm-up, not kept, then `repeats`) in one child of
+        vLLM's environment (vllm_bench_child.py: vLLM imported once per model, not per pass);
+        each pass's result is written as it completes, into raw_dir when given."""
+        res_dir = raw_dir or tmp
+        res_dir.mkdir(parents=True, exist_ok=True)
+        passes: list[tuple[Workload, int | None, list[str]]] = []
+        for w in cfg.workloads:
+            for r in (None, *range(cfg.repeats)):
+                seed, n = (cfg.seed + 1000, max(w.concurrency, 4)) if r is None else (
+                    cfg.seed + r, w.prompts())  # fmt: skip
+                passes.append((w, r, [
+                    "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+                    "--model", model, "--dataset-name", "random", "--random-input-len",
+                    str(w.prompt_len), "--random-output-len", str(w.output_len),
+                    "--num-prompts", str(n), "--max-concurrency", str(w.concurrency),
+                    "--seed", str(seed), "--ignore-eos", "--percentile-metrics", "ttft,tpot",
+                    "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(res_dir),
+                    "--result-filename", f"{label}-{w.name}-{'warm' if r is None else r}.json",
+                ]))  # fmt: skip
+        for _, _, argv in passes:  # a result left by an earlier run must not count as this one's
+            (res_dir / argv[-1]).unlink(missing_ok=True)
+        spec = tmp / "passes.json"
+        spec.write_text(json.dumps([argv for _, _, argv in passes]))
+        child = [self.python, str(Path(__file__).with_name("vllm_bench_child.py")), str(spec)]
+        rc, output = log.run_child(child, label=f"vllm bench serve ({label})",
                                    timeout=self.bench_timeout_s)  # fmt: skip
-        if rc != 0 or not (tmp / name).is_file():
-            raise StageError(f"vllm bench serve failed (exit {rc}): {output[-1200:]}",
+        for w, r, argv in passes:
+            res_file = res_dir / argv[-1]
+            if r is None or not res_file.is_file():
+                continue
+            res = json.loads(res_file.read_text())
+            out.results.setdefault(w.name, []).append(res)
+            out.command = out.command or "vllm bench serve " + " ".join(argv)
+            log.detail(f"{label} {w.name} #{r + 1}: {res.get('output_throughput', 0):.0f} tok/s")
+        missing = [argv[-1] for _, _, argv in passes if not (res_dir / argv[-1]).is_file()]
+        if rc != 0 or missing:
+            raise StageError(f"vllm bench serve failed (exit {rc}; no result for "
+                             f"{', '.join(missing) or 'none'}): {output[-1200:]}",
                              path=model, hint="see vLLM's message above")  # fmt: skip
-        return json.loads((tmp / name).read_text()), cmd
 
 
+@functools.cache  # one import of vLLM per process, not one per model
 def _engine(python: str) -> str:
     try:
         v = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],

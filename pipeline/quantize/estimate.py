@@ -14,10 +14,10 @@
 With --offload cpu|disk the weights stay off the GPU and one decoder layer (or the
 embeddings / lm_head) is there at a time: W above becomes 2·L, L the largest such unit's
 bytes (it and its quantized copy); each layer's weights cross to the GPU and back, + T
-seconds per byte of layer (time); the host holds 2·W + 2·Q + R with cpu (41.2 GB measured
-on the 8B, its peak in the reload check: the calibrated model's page-locked blocks, cached
-by torch, beside the reloaded copy -- the check no longer pins and the cache is released;
-the formula stays until that is measured) or only L + R with disk.
+seconds per byte of layer (time); the host holds W + Q + R with cpu (8B dims on an H100:
+22.98 GB anonymous measured, 23.8 predicted; its peak is now the save, the compressed copy
+beside the 16-bit weights -- before the reload check stopped pinning and the calibrated
+model's cached page-locked blocks were released, 2·W + 2·Q: 40.6) or only L + R with disk.
 `auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
 fits free host memory, else disk.
 
@@ -148,7 +148,7 @@ def estimate(
         )
         if offload != "none":
             seconds += layers * T_OFFLOAD * layer_params * 2
-        cpu = {"none": w, "cpu": 2 * w + 2 * q, "disk": unit}[offload] + R_CPU * ranks
+        cpu = {"none": w, "cpu": w + q, "disk": unit}[offload] + R_CPU * ranks
         # one model resident, a batch of fp32 logits and their float64 log-softmax (chunked)
         e_gpu: int | None = int(
             resident + ev.batch_size * ev.seq_len * vocab * 4 + 128 * vocab * 8 * 2 + C_GPU
