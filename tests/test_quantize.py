@@ -24,7 +24,7 @@ from pipeline.model.checkpoint import inspect_checkpoint
 from pipeline.model.loading import load_meta_model
 from pipeline.quantize import quantize
 from pipeline.quantize.checks import check_against_plan
-from pipeline.recipe import load_recipe
+from pipeline.recipe import load_recipe, parse_recipe
 from pipeline.records import Plan, QuantizedCheckpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -476,3 +476,27 @@ def test_a_patch_refuses_a_library_attribute_it_was_not_written_for(monkeypatch)
     assert Fake().pin_memory(0) == "pinned"  # restored after it
     with pytest.raises(StageError, match="expects"), patched(Fake, "pin_memory", None, params=()):
         pass
+
+
+def test_save_under_cpu_offload_releases_pinned_blocks_per_module(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """With --offload cpu the save compresses module by module and hands torch's cached
+    page-locked blocks back after each one (the 8B's save was its run's host peak); the
+    compression is compressed-tensors' own and the checkpoint the same as without offload."""
+    from pipeline.model.files import hash_model_dir
+    from pipeline.quantize import memory
+
+    r = parse_recipe({"name": "rtn", "others": "keep", "groups": [
+        {"name": "all", "roles": ["attention", "mlp"], "method": "rtn",
+         "scheme": {"bits": 4, "group_size": 32, "symmetric": True}}]})  # fmt: skip
+    tokens = build_token_sets(AutoTokenizer.from_pretrained(tiny_llama), r.calibration,
+                              r.evaluation, cache_dir=tmp_path / "c")  # fmt: skip
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "release_pinned_cache", lambda: calls.append(1))
+    plain = quantize(tiny_llama, r, tmp_path / "plain", tokens=tokens, device="cpu")
+    assert plain is not None and not calls  # not without offload
+    off = quantize(tiny_llama, r, tmp_path / "off", tokens=tokens, device="cpu", offload="cpu")
+    assert off is not None and off.offload == "cpu"
+    assert len(calls) >= off.checkpoint.quantized_modules
+    assert hash_model_dir(off.path)[1] == hash_model_dir(plain.path)[1]

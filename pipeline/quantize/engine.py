@@ -47,6 +47,7 @@ from .patches import (
     awq_lean_grid_search,
     hooked_attention_stays_hooked,
     library_logs_to_stderr,
+    pinned_cache_released_per_module,
     rank_local_device,
     without_accelerator,
 )
@@ -186,12 +187,15 @@ def _quantize(
 
     t2 = time.perf_counter()
     model.to(DTYPES[recipe.dtype].torch())  # computed in float32 on the CPU (devices.py)
+    released = pinned_cache_released_per_module if offload == "cpu" else contextlib.nullcontext
     if not ranks.is_writer():  # compressing is collective; rank 0 alone writes the files
-        model.save_pretrained(spill / "not-written", save_compressed=True)
+        with released():
+            model.save_pretrained(spill / "not-written", save_compressed=True)
         ranks.gather_peaks(peaks.result())
         return None
     with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp, save_compressed=True)
+        with released():
+            model.save_pretrained(tmp, save_compressed=True)
         for f in (*TOKENIZER_FILES, *CONFIG_FILES[1:]):
             if (model_dir / f).is_file():
                 shutil.copyfile(model_dir / f, tmp / f)

@@ -48,10 +48,15 @@ class PhasePeaks:
         torch.cuda.reset_peak_memory_stats()
 
     def free(self) -> None:
+        """Collect what was dropped and hand cached device and page-locked blocks back; the
+        host counters then start from what is left (the next phase is not charged with the
+        memory held until here, e.g. the calibrated model before the reload check)."""
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
             release_pinned_cache()
+        self.sampler.take()
+        reset_host_peak()
 
     def result(self) -> PeakMemory:
         # the phases' resets of the high-water mark reset ru_maxrss too: take the largest
