@@ -71,18 +71,19 @@ r8b() {  # the random 8B and its data-free checkpoints, quantized at once
   wait
   [ "${R8B_EXTRA:-1}" = 1 ] || return 0  # R8B_EXTRA=0: the speed checkpoints only
   # host memory under --offload cpu by phase (issue 32; 41.3 GB on 2026-12-04)
-  $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-mixed-off" --cache-dir "$S/cache-r8b" \
-    --device cuda --offload cpu --json > "$S/rows/r8b-mixed-offload-quantize.json" 2> "$S/r8b-mixed-off.log"
-  echo "== r8b mixed --offload cpu rc $?"
+  mixed8b mixed-off mixed-offload --offload cpu
   # bigger than the GPU, shown (issue 32 item 3): a cap below one layer exits 2 before loading;
   # a 12 GB cap under the 16 GB of weights, --offload auto choosing by itself
-  $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-cap-tiny" --cache-dir "$S/cache-r8b" \
-    --device cuda --offload auto --gpu-memory 200MB --json > "$S/rows/r8b-cap-200MB-quantize.json" 2> "$S/r8b-cap-tiny.log"
-  echo "== r8b --gpu-memory 200MB rc $? (2 expected)"
+  mixed8b cap-tiny cap-200MB --offload auto --gpu-memory 200MB
   rm -rf "$S/r8b-mixed-off" "$S/r8b-cap-tiny"  # disk (64 GiB): its hash is in the row
-  $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-cap12" --cache-dir "$S/cache-r8b" \
-    --device cuda --offload auto --gpu-memory 12GB --json > "$S/rows/r8b-cap-12GB-quantize.json" 2> "$S/r8b-cap12.log"
-  echo "== r8b --gpu-memory 12GB --offload auto rc $?"
+  mixed8b cap12 cap-12GB --offload auto --gpu-memory 12GB
+}
+
+mixed8b() {  # OUT ROW ARGS...: gemma-mixed-w4 (AWQ + GPTQ + FP8 KV) on the random 8B
+  local out=$1 row=$2; shift 2
+  $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-$out" --cache-dir "$S/cache-r8b" \
+    --device cuda "$@" --json > "$S/rows/r8b-$row-quantize.json" 2> "$S/r8b-$out.log"
+  echo "== r8b mixed $* rc $?"
 }
 
 served() {  # vLLM serves each new-format artifact as soon as its run is done, one at a time

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,11 +239,7 @@ def _stand_in_vllm(tmp_path, monkeypatch, fail_seed=None):
     if fail_seed is not None:
         monkeypatch.setenv("STAND_IN_FAIL_SEED", str(fail_seed))
     bench = perf.VllmBench.__new__(perf.VllmBench)  # no GPU here: the constructor refuses
-    bench.python, bench.start_timeout_s, bench.bench_timeout_s = (
-        __import__("sys").executable,
-        60,
-        120,
-    )
+    bench.python, bench.start_timeout_s, bench.bench_timeout_s = sys.executable, 60, 120
     return bench
 
 

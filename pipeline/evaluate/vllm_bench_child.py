@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def main(path: str) -> int:
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    passes = json.loads(open(path).read())
+    passes = json.loads(Path(path).read_text())
     for i, argv in enumerate(passes):
         print(f"== pass {i + 1}/{len(passes)}", flush=True)
         sys.argv = ["vllm", "bench", "serve", *argv]

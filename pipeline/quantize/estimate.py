@@ -45,6 +45,7 @@ is the per-Linear term's only MoE point so far (bench/RESULTS.md).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from ..errors import UsageError
@@ -84,11 +85,7 @@ def _gptq_batches(gptq_by_layer: dict[str, list], ranks: int, free_gpu_bytes: in
     were measured beyond the rest; on a dense 8B layer +1.5 GB (+0.5 to +1.3 measured)."""
     extra = 0
     for modules in gptq_by_layer.values():
-        shapes: dict[tuple[int, int], int] = {}
-        for m in modules:
-            shapes[(m.out_features, m.in_features)] = (
-                shapes.get((m.out_features, m.in_features), 0) + 1
-            )
+        shapes = Counter((m.out_features, m.in_features) for m in modules)
         for (out_f, in_f), n in shapes.items():
             per = 4 * (in_f * in_f + 3 * out_f * in_f)
             n = -(-n // ranks)  # each rank compresses its share of the modules
