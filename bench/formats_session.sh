@@ -39,7 +39,8 @@ QG=$S/qwen.gguf
 L=.qship-gpu/recipes
 Q="python3 -m pipeline.cli"
 RECIPES=${RECIPES:-"fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8"}  # + w4a16-gptq: W4A8's twin
-SPEED=${SPEED:-"rtn-w4a16 fp8-dynamic-rtn"}  # served speed: the anchors' formats (device time)
+# served speed: the anchors' formats (device time); SPEED="" quantizes none (a restart)
+SPEED=${SPEED-"rtn-w4a16 fp8-dynamic-rtn"}
 
 link() { [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu; }
 bg() {  # JOB [CPUS] in the background, outliving the call, on cores CPUS; $S/JOB.done at its end
@@ -70,18 +71,19 @@ r8b() {  # the random 8B and its data-free checkpoints, quantized at once
   done
   wait
   [ "${R8B_EXTRA:-1}" = 1 ] || return 0  # R8B_EXTRA=0: the speed checkpoints only
-  # host memory under --offload cpu by phase (issue 32; 41.3 GB on 2026-12-04)
-  mixed8b mixed-off mixed-offload --offload cpu
-  # bigger than the GPU, shown (issue 32 item 3): a cap below one layer exits 2 before loading;
-  # a 12 GB cap under the 16 GB of weights, --offload auto choosing by itself
+  # bigger than the GPU, shown (issue 32 item 3): a cap below one layer exits 2 before loading
   mixed8b cap-tiny cap-200MB --offload auto --gpu-memory 200MB
-  rm -rf "$S/r8b-mixed-off" "$S/r8b-cap-tiny"  # disk (64 GiB): its hash is in the row
-  mixed8b cap12 cap-12GB --offload auto --gpu-memory 12GB
+  # host memory under --offload cpu by phase (issue 32; 41.3 GB on 2026-12-04) beside a 12 GB
+  # cap under the 16 GB of weights with --offload auto choosing by itself: at once (device
+  # time; the peaks are per process, 2 x ~23 GB of a 128 GiB host), each with its own cache
+  mixed8b mixed-off mixed-offload --offload cpu &
+  mixed8b cap12 cap-12GB --offload auto --gpu-memory 12GB &
+  wait
 }
 
 mixed8b() {  # OUT ROW ARGS...: gemma-mixed-w4 (AWQ + GPTQ + FP8 KV) on the random 8B
   local out=$1 row=$2; shift 2
-  $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-$out" --cache-dir "$S/cache-r8b" \
+  $Q quantize --model "$S/r8b" --recipe "$L/gemma-mixed-w4.yaml" --out "$S/r8b-$out" --cache-dir "$S/cache-r8b-$out" \
     --device cuda "$@" --json > "$S/rows/r8b-$row-quantize.json" 2> "$S/r8b-$out.log"
   echo "== r8b mixed $* rc $?"
 }
@@ -145,6 +147,15 @@ start-final)  # the last vLLM part in: its environment; once every GPU job is do
   # fails when another process frees GPU memory meanwhile), alone on the GPU: served speed,
   # then the served checks, then the long-context check
   link; OUT=$S bash bench/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
+  bash bench/formats_session.sh waiter
+  ;;
+start-caps)  # the capped 8B runs again, on their own (after a fix), the waiter told to wait for them
+  pkill -f "[f]or j in .*done" ; rm -rf "$S/r8b-cap12" "$S/r8b-cap-tiny"; bg caps 0-7
+  WAIT_FOR="${WAIT_FOR:-gemma r8b} caps" bash bench/formats_session.sh waiter
+  ;;
+run-caps) link; mixed8b cap-tiny cap-200MB --offload auto --gpu-memory 200MB
+  mixed8b cap12 cap-12GB --offload auto --gpu-memory 12GB ;;
+waiter)
   setsid nohup bash -c "for j in ${WAIT_FOR:-gemma r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
     bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done;
     bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done;

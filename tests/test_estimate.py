@@ -65,3 +65,65 @@ def test_the_moe_term_holds_the_measured_moe_row(tmp_path, capsys, monkeypatch):
     assert rc == 0, p
     predicted, measured = p["estimate"]["quantize_gpu_bytes"], 18.67e9
     assert abs(predicted - measured) < 0.25 * measured, predicted
+
+
+def test_quantize_alone_needs_disk_for_its_checkpoint_only(tmp_path, capsys, monkeypatch):
+    """`qship run` keeps cache entries (the snapshot, the resume store, the reference) beside
+    the artifact; `qship quantize` writes the checkpoint alone. On the H100 (2026-12-05) the
+    8B-dims quantize was refused for the run's 44.1 GB with 35 GB free and a 5.6 GB checkpoint."""
+    from collections import namedtuple
+
+    from transformers import LlamaConfig
+
+    from pipeline.model import devices
+    from pipeline.runner import stages
+    from tests.cli_run import qship
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+    model = tmp_path / "llama-8b-dims"
+    cfg.save_pretrained(model)
+    monkeypatch.setattr(devices, "free_gpu_bytes", lambda d: int(80e9))
+    monkeypatch.setattr(devices, "free_cpu_bytes", lambda: int(100e9))
+    usage = namedtuple("usage", "total used free")
+    free = {"bytes": int(35e9)}
+    monkeypatch.setattr(stages.shutil, "disk_usage", lambda p: usage(0, 0, free["bytes"]))
+    base = ["--model", str(model), "--recipe", str(ROOT / "recipes" / "gemma-mixed-w4.yaml"),
+            "--device", "cuda", "--cache-dir", str(tmp_path / "c")]  # fmt: skip
+    rc, err = qship(capsys, "run", *base, "--out", str(tmp_path / "art"))
+    assert rc == 2 and "cache entries and the artifact" in err["message"], err
+    # quantize passes the disk check (the config-only folder has no tokenizer: a later error)
+    rc, err = qship(capsys, "quantize", *base, "--out", str(tmp_path / "q"))
+    assert "disk" not in err.get("message", ""), err
+    free["bytes"] = int(3e9)  # under the ~5.6 GB checkpoint: refused, naming what it is for
+    rc, err = qship(capsys, "quantize", *base, "--out", str(tmp_path / "q"))
+    assert rc == 2 and "of disk (the checkpoint, predicted)" in err["message"], err
+    assert not (tmp_path / "q").exists()
+
+
+def test_gpu_cap_on_a_device_named_without_index(monkeypatch):
+    """`--device cuda --gpu-memory 12GB`: torch's per-process fraction needs a device index
+    ("Expected a torch.device with a specified index", the H100, 2026-12-05): the cap goes
+    to the current device; an explicit index is kept."""
+    import torch
+
+    from pipeline.model import devices
+
+    class Props:
+        total_memory = int(80e9)
+
+    calls = []
+
+    def set_fraction(frac, dev):  # torch's own check, without a GPU
+        if torch.device(dev).index is None:
+            raise ValueError("Expected a torch.device with a specified index")
+        calls.append((round(frac, 3), torch.device(dev).index))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    devices.apply_gpu_cap("cuda", int(12e9))
+    devices.apply_gpu_cap("cuda:1", int(100e9))
+    devices.apply_gpu_cap("cuda", None)
+    assert calls == [(0.15, 2), (1.0, 1)]

@@ -141,7 +141,7 @@ def quantize_cmd(
     # offload resolved by it, the process held to --gpu-memory
     ctx = Context(cache_dir=cache_root(cache_dir), device=device, offload=check_offload(offload),
                   gpu_memory=parse_size(gpu_memory))  # fmt: skip
-    check_recipe(str(model), r, ctx, show_plan=False)
+    check_recipe(str(model), r, ctx, show_plan=False, checkpoint_to=out)
     with log.stage("tokens") as line:
         tokens = build_token_sets(AutoTokenizer.from_pretrained(model), r.calibration,
                                   r.evaluation, cache_dir=ctx.cache_dir)  # fmt: skip

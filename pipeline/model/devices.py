@@ -81,6 +81,8 @@ def apply_gpu_cap(device: str | None, cap: int | None) -> None:
     if cap is None or not device.startswith("cuda") or not torch.cuda.is_available():
         return
     dev = torch.device(device)
+    if dev.index is None:  # torch's cap needs an index: "cuda" is the current device
+        dev = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(dev).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dev)
 

@@ -161,6 +161,7 @@ def estimate(
                             quantize_gpu_bytes=q_gpu, quantize_cpu_bytes=int(cpu),
                             quantize_s=round(seconds, 1), evaluate_gpu_bytes=e_gpu,
                             disk_bytes=int(disk),
+                            checkpoint_disk_bytes=int(q + (w if offload == "disk" else 0)),
                             basis=BASIS + (ASSUMED_SPLIT if ranks > 1 else ""))  # fmt: skip
 
 
@@ -189,6 +190,7 @@ def choose(
 def require_fit(
     est: ResourceEstimate, *, free_gpu_bytes: int | None, recipe: Recipe,
     free_cpu_bytes: int | None = None, free_disk_bytes: int | None = None,
+    checkpoint_only: bool = False,
 ) -> None:  # fmt: skip
     """Exit 2 before anything is loaded when the predicted GPU peak, host peak or disk use
     exceeds what is free, saying what would fit."""
@@ -205,10 +207,13 @@ def require_fit(
             hint=f"use a machine with more memory{off}; `qship plan` prints the estimate "
             "(a config.json that claims far more than its weights hold is refused as well)",
         )
-    if free_disk_bytes is not None and est.disk_bytes > free_disk_bytes:
+    disk, what = est.disk_bytes, "cache entries and the artifact"
+    if checkpoint_only and est.checkpoint_disk_bytes is not None:  # `qship quantize`: no cache
+        disk, what = est.checkpoint_disk_bytes, "the checkpoint"
+    if free_disk_bytes is not None and disk > free_disk_bytes:
         raise UsageError(
-            f"the run needs about {est.disk_bytes / GB:.1f} GB of disk (cache entries and the "
-            f"artifact, predicted) but {free_disk_bytes / GB:.1f} GB are free",
+            f"the run needs about {disk / GB:.1f} GB of disk ({what}, predicted) but "
+            f"{free_disk_bytes / GB:.1f} GB are free",
             path=recipe.path,
             hint="free space, or point $QSHIP_CACHE / --cache-dir at a larger file system",
         )

@@ -48,6 +48,7 @@ from .stages import (
     check_recipe,
     eval_data_stage,
     evaluate_stage,
+    existing_parent,
     fetch_stage,
     gate_stage,
     quantize_key,
@@ -75,9 +76,7 @@ def check_out(out: Path) -> Path:
     """--out before any compute: not below a regular file, in a folder this user may write
     (an existing --out is run()'s to judge: reused when built from the same inputs)."""
     out = Path(out)
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
+    parent = existing_parent(out.absolute().parent)
     if not parent.is_dir():
         raise UsageError(f"--out is below {parent}, which is a file, not a folder",
                          path=str(out), hint="choose an --out inside a folder")  # fmt: skip

@@ -81,8 +81,25 @@ class Context:
 # ------------------------------------------------------------------ stages
 
 
-def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = True) -> Plan:
-    """The recipe against the model's config, before any weight is fetched (exit 2)."""
+def existing_parent(path: Path) -> Path:
+    """The nearest folder of `path` that exists (an --out is created later)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_recipe(
+    model: str,
+    recipe: Recipe,
+    ctx: Context,
+    *,
+    show_plan: bool = True,
+    checkpoint_to: Path | None = None,
+) -> Plan:
+    """The recipe against the model's config, before any weight is fetched (exit 2).
+    `checkpoint_to`: `qship quantize`'s --out: it writes that checkpoint and no cache entries,
+    so only the checkpoint's size is held against the free space there."""
     from ..fetch import read_config
     from ..model.devices import apply_gpu_cap, default_device, free_cpu_bytes, usable_gpu_bytes
     from ..quantize import plan_for_config
@@ -96,8 +113,10 @@ def check_recipe(model: str, recipe: Recipe, ctx: Context, *, show_plan: bool = 
                      free_gpu_bytes=free, free_cpu_bytes=free_cpu_bytes(),
                      ranks=max(1, ctx.gpus))  # fmt: skip
         ctx.cache_dir.mkdir(parents=True, exist_ok=True)
+        disk_at = ctx.cache_dir if checkpoint_to is None else existing_parent(checkpoint_to)
         require_fit(est, free_gpu_bytes=free, recipe=recipe, free_cpu_bytes=free_cpu_bytes(),
-                    free_disk_bytes=shutil.disk_usage(ctx.cache_dir).free)  # fmt: skip
+                    free_disk_bytes=shutil.disk_usage(disk_at).free,
+                    checkpoint_only=checkpoint_to is not None)  # fmt: skip
         ctx.offload = est.offload
         apply_gpu_cap(ctx.device, ctx.gpu_memory)  # quantize and evaluate run under the cap
         plan = plan.model_copy(update={"estimate": est})
