@@ -10,6 +10,8 @@ and the half-made output folder is removed):
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 from ..errors import StageError
 from ..model.checkpoint import CheckpointInspection, inspect_checkpoint
 from ..model.loading import load_model
+from ..model.roles import decoder_layer_list
 from ..recipe import CALIBRATED_METHODS, Recipe
 from ..records.plan import Plan
 
@@ -112,9 +115,12 @@ def verify_reload(
         raise StageError(
             f"transformers cannot reload the checkpoint: {e}", path=str(out_dir)
         ) from e
-    with torch.no_grad():
+    with torch.no_grad(), decompressed_per_layer(m):
         logits = m(input_ids=probe_ids).logits
     if not torch.isfinite(logits).all():
+        if offload != "none":  # the probe dropped the offloaded weights: load them again
+            del m
+            m = load_model(out_dir, device=device, offload="cpu", pin=False)
         bad = _first_nonfinite_module(m, probe_ids)
         raise StageError(
             f"reloaded checkpoint gives non-finite logits (first non-finite output: {bad})",
@@ -122,6 +128,50 @@ def verify_reload(
             hint="check that module's scheme; Gemma needs bf16, not fp16",
         )
     return int(probe_ids.numel())
+
+
+@contextlib.contextmanager
+def decompressed_per_layer(model: Any) -> Iterator[None]:
+    """For one forward of a packed checkpoint loaded with offloading: compressed-tensors
+    decompresses every Linear into 16-bit weights before the first forward, so the host then
+    holds the whole model packed and dense (the 8B-dims reload check's 1.34x the weights,
+    H100 2026-12-05). Instead each decoder layer is decompressed as the forward reaches it
+    and its weights dropped (to meta) once it has run. The model serves that one forward."""
+    hook = getattr(model, "ct_decompress_hook", None)
+    found = decoder_layer_list(model)
+    if hook is None or found is None:  # dense, or decompressed at load: nothing to save
+        yield
+        return
+    from compressed_tensors.compressors.base import decompress_module
+    from compressed_tensors.offload import from_accelerate
+    from compressed_tensors.offload.utils import to_meta
+    from compressed_tensors.quantization.utils import is_module_quantized
+
+    def decompress(root: Any) -> None:  # what ModelCompressor.decompress_model does, per layer
+        for mod in root.modules():
+            if is_module_quantized(mod):
+                decompress_module(mod)
+
+    def drop(root: Any) -> None:  # to_meta moves a module's own tensors, not its children's
+        for mod in root.modules():
+            to_meta(mod)
+
+    hook.remove()
+    del model.ct_decompress_hook
+    from_accelerate(model)  # as decompress_model: compressed-tensors' offloading
+    inside = {id(mod) for layer in found[1] for mod in layer.modules()}
+    for mod in model.modules():  # quantized modules outside the layers (a quantized head)
+        if id(mod) not in inside and is_module_quantized(mod):
+            decompress_module(mod)
+    handles = []
+    for layer in found[1]:
+        handles.append(layer.register_forward_pre_hook(lambda mod, _args: decompress(mod)))
+        handles.append(layer.register_forward_hook(lambda mod, _args, _out: drop(mod)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _first_nonfinite_module(model: Any, ids: torch.Tensor) -> str:
