@@ -1,10 +1,10 @@
 """Served performance (pipeline/evaluate/perf.py) without a GPU: a fake runner returns vLLM
-benchmark output in the format vLLM 0.26's `vllm bench serve --save-result` writes
-(tests/fixtures/vllm_bench: per model, workload and repeat, and the server logs; the
-reference's 1-stream runs, its server log and one refused 64-stream pass are recorded from a
-real run -- vLLM 0.26.0 serving an 8B-dims bf16 model on an H100, 2026-12-05 -- the rest is
-written in their format), and everything after it -- the figures, the speed gates, the workload schema, the comparison
-report and the model card -- runs for real."""
+benchmark output recorded from real runs (tests/fixtures/vllm_bench: `vllm bench serve
+--save-result` JSON per model, workload and repeat, and the lines of each server log qship
+reads; vLLM 0.26.0 on an H100 80GB, 2026-12-05, a random model of Llama-3-8B dimensions:
+`reference` bf16, `candidate` W4A16 RTN int4 g128 (Machete), `fp8` FP8 dynamic (CUTLASS),
+plus one refused 64-stream pass), and everything after it -- the figures, the speed gates,
+the workload schema, the comparison report and the model card -- runs for real."""
 
 from __future__ import annotations
 
@@ -32,26 +32,33 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class RecordedRunner:
-    """Returns the recorded result JSONs and server log of 'reference' or 'candidate'
-    (by the model folder's name), as VllmBench would after serving it."""
+    """Returns the recorded result JSONs and server log of 'reference', 'fp8' (a model folder
+    named fp8*) or 'candidate' (W4A16, any other folder), as VllmBench would after serving it."""
 
     def __init__(self, scale: dict[str, float] | None = None) -> None:
         self.calls: list[str] = []
         self.scale = scale or {}
 
     def run(self, model_dir, label, cfg, raw_dir):
-        who = "reference" if label == "reference" else "candidate"
+        name = Path(model_dir).name
+        who = (
+            "reference"
+            if label == "reference"
+            else "fp8"
+            if name.startswith("fp8")
+            else "candidate"
+        )
         self.calls.append(label)
         res = {}
         for w in cfg.workloads:
             runs = []
             for r in range(cfg.repeats):
                 d = json.loads((FIX / f"{who}-{w.name}-{r}.json").read_text())
-                f = self.scale.get(Path(model_dir).name, 1.0) if who == "candidate" else 1.0
+                f = self.scale.get(name, 1.0) if who != "reference" else 1.0
                 d["output_throughput"] *= f
                 runs.append(d)
             res[w.name] = runs
-        return perf.ServedRun(engine="vllm 0.26.0", gpu="NVIDIA H200", results=res,
+        return perf.ServedRun(engine="vllm 0.26.0", gpu="NVIDIA H100 80GB HBM3", results=res,
                               log=(FIX / f"{who}-server.log").read_text())  # fmt: skip
 
 
@@ -77,7 +84,7 @@ def test_figures_are_the_medians_of_the_recorded_runs(tmp_path):
             / _recorded("reference", w.name, "output_throughput")
         )
     assert res.reference.weights_gib == pytest.approx(14.96)  # recorded: H100, 8B dims, bf16
-    assert res.candidate.kv_cache_tokens == 1_011_696
+    assert res.candidate.kv_cache_tokens == 496_880
     assert res.candidate.kernels == {"CompressedTensorsWNA16": "MacheteLinearKernel"}
     assert res.workloads[1].num_prompts == 8 * 64  # 8 per stream by default
 
@@ -171,7 +178,9 @@ def _ev(name, bits, scale, passed, res=None, seed=0):
 
 
 def test_compare_report_recommends_per_workload(tmp_path):
-    runner = RecordedRunner(scale={"fp8": 0.6, "w4": 1.0, "bad": 3.0})
+    """The recorded crossover (H100, 8B dims): W4A16 fastest at one stream, FP8 dynamic under
+    64 streams; a failing recipe three times as fast is never recommended."""
+    runner = RecordedRunner(scale={"bad": 3.0})
     refs: dict = {}
     res = {n: perf.measure(tmp_path / n, tmp_path / "ref", ServeGate(), runner, ref_runs=refs)
            for n in ("fp8", "w4", "bad")}  # fmt: skip
@@ -179,21 +188,22 @@ def test_compare_report_recommends_per_workload(tmp_path):
             row(_ev("w4-g128", 4.1, 0.17, True, res["w4"], 1)),
             row(_ev("bad-w4", 4.1, 0.9, False, res["bad"], 2))]  # fmt: skip
     rep = summarise_rows(rows)
-    # the failing recipe is the fastest, and is never recommended
-    assert fastest(rows) == {"1-stream": "w4-g128", "64-streams": "w4-g128"}
+    assert fastest(rows) == {"1-stream": "w4-g128", "64-streams": "fp8-dynamic"}
     words = recommendation(rep)
-    assert "Fastest passing recipe per workload (NVIDIA H200, vllm 0.26.0)" in words
-    sp = _recorded("candidate", "1-stream", "output_throughput") / _recorded(
-        "reference", "1-stream", "output_throughput"
-    )
-    assert f"1-stream: **w4-g128** (W4A16), {sp:.2f}x" in words
+    assert "Fastest passing recipe per workload (NVIDIA H100 80GB HBM3, vllm 0.26.0)" in words
+    for wl, who, name, fmt in (("1-stream", "candidate", "w4-g128", "W4A16"),
+                               ("64-streams", "fp8", "fp8-dynamic", "W8A8-FP8")):  # fmt: skip
+        sp = _recorded(who, wl, "output_throughput") / _recorded(
+            "reference", wl, "output_throughput"
+        )
+        assert f"{wl}: **{name}** ({fmt}), {sp:.2f}x" in words, words
     out = write_report(rows, tmp_path / "rep")
     md = (tmp_path / "rep" / "compare.md").read_text()
     assert "1-stream speed-up" in md and "| formats |" in md and "W8A8-FP8" in md
     assert "speed:64-streams" in (tmp_path / "rep" / "compare.csv").read_text()
     for f in PERF_FILES:
         assert (tmp_path / "rep" / f).read_bytes()[:4] == b"\x89PNG"
-    assert out["fastest"]["64-streams"] == "w4-g128"
+    assert out["fastest"]["64-streams"] == "fp8-dynamic"
 
 
 def test_model_card_states_the_served_speed(tmp_path):
@@ -205,10 +215,10 @@ def test_model_card_states_the_served_speed(tmp_path):
     card = model_card.render(name="x", source=None, recipe=recipe,
                              quantization_config={"quant_method": "compressed-tensors"},
                              evaluation=ev)  # fmt: skip
-    assert "## Served speed (vllm 0.26.0, NVIDIA H200)" in card
+    assert "## Served speed (vllm 0.26.0, NVIDIA H100 80GB HBM3)" in card
     sp = res.workloads[0].speedup
     assert "| 1-stream | 256 → 128, 1 |" in card and f"{sp:.2f}x" in card
-    assert "Weights on the GPU: 5.37 GiB (16-bit: 14.96)" in card
+    assert "Weights on the GPU: 5.32 GiB (16-bit: 14.96)" in card
     assert "MacheteLinearKernel for CompressedTensorsWNA16" in card
 
 
