@@ -56,9 +56,11 @@ from ..records.plan import Plan
 GB = 1e9
 C_GPU = 0.3 * GB
 R_CPU = 2.0 * GB
-# a per quantized Linear: 0.425 s per layer fitted on dense layers of 7 such modules, which
-# carries over to an MoE layer's hundreds of expert Linears (hooks, batches, bookkeeping)
-A_S, B_S, TOKENS_REF = 0.425 / 7, 8.14e-9, 65_536
+# a per quantized Linear (hooks, batches, bookkeeping: it carries over to an MoE layer's
+# hundreds of expert Linears) and b per method-weighted parameter, fitted on the two dense
+# H200 rows of gemma-mixed-w4 (Gemma 3 270M 10.5 s, 8B-dims Llama 79.5 s, bench/RESULTS.md);
+# 0.425 / 7 and 8.14e-9 before METHOD_COST weighted the parameters predicted the 8B at 54 s
+A_S, B_S, TOKENS_REF = 0.525 / 7, 1.262e-8, 65_536
 K_CPU = 2.2e-10
 T_OFFLOAD = 0.7e-9
 # seconds per parameter-token of each method / the mixed recipe's (the fit above)
