@@ -28,8 +28,8 @@ process does, and the host carries G processes' R.
 W dense bytes, Q checkpoint bytes, N×S calibration tokens, H hidden size, B batch. The
 constants are fitted to measured runs (bench/RESULTS.md "Resource estimate"): C = 0.3 GB
 (allocator and kernels), R = 2.0 GB (torch, transformers, datasets, the tokenizer), a =
-0.425 / 7 s per quantized Linear and b = 8.14e-9 s per parameter at 65,536 tokens (H200:
-Gemma 3 270M and an 8B-dims Llama, 7 quantized Linears a layer), k = 2.2e-10 s per
+0.525 / 7 s per quantized Linear and b = 1.262e-8 s per method-weighted parameter at 65,536
+tokens (H200: Gemma 3 270M 10.5 s and an 8B-dims Llama 79.5 s, 7 quantized Linears a layer), k = 2.2e-10 s per
 parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9 s per byte (H200 host link,
 page-locked host copies: 8B dims, --offload cpu vs none).
 The time terms count each Linear's parameters weighted by what its method costs relative to
@@ -57,9 +57,8 @@ GB = 1e9
 C_GPU = 0.3 * GB
 R_CPU = 2.0 * GB
 # a per quantized Linear (hooks, batches, bookkeeping: it carries over to an MoE layer's
-# hundreds of expert Linears) and b per method-weighted parameter, fitted on the two dense
-# H200 rows of gemma-mixed-w4 (Gemma 3 270M 10.5 s, 8B-dims Llama 79.5 s, bench/RESULTS.md);
-# 0.425 / 7 and 8.14e-9 before METHOD_COST weighted the parameters predicted the 8B at 54 s
+# hundreds of expert Linears); refit once METHOD_COST weighted the parameters (the constants
+# fitted before it, 0.425 / 7 and 8.14e-9, then predicted the 8B at 54 s)
 A_S, B_S, TOKENS_REF = 0.525 / 7, 1.262e-8, 65_536
 K_CPU = 2.2e-10
 T_OFFLOAD = 0.7e-9
