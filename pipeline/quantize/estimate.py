@@ -29,8 +29,8 @@ W dense bytes, Q checkpoint bytes, N×S calibration tokens, H hidden size, B bat
 constants are fitted to measured runs (bench/RESULTS.md "Resource estimate"): C = 0.3 GB
 (allocator and kernels), R = 2.0 GB (torch, transformers, datasets, the tokenizer), a =
 0.525 / 7 s per quantized Linear and b = 1.262e-8 s per method-weighted parameter at 65,536
-tokens (H200: Gemma 3 270M 10.5 s and an 8B-dims Llama 79.5 s, 7 quantized Linears a layer), k = 2.2e-10 s per
-parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9 s per byte (H200 host link,
+tokens (H200: Gemma 3 270M 10.5 s and an 8B-dims Llama 79.5 s, 7 quantized Linears a
+layer), k = 2.2e-10 s per parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9 s per byte (H200 host link,
 page-locked host copies: 8B dims, --offload cpu vs none).
 The time terms count each Linear's parameters weighted by what its method costs relative to
 the mixed recipe the constants were fitted on (METHOD_COST): on the 2-core CPU (Gemma 3 270M,

@@ -11,7 +11,19 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from . import artifact, checkpoint, evaluation, plan, run, snapshot, tokens, verdict
+from . import (
+    artifact,
+    checkpoint,
+    estimate,
+    evaluation,
+    perf,
+    plan,
+    run,
+    served,
+    snapshot,
+    tokens,
+    verdict,
+)
 from .base import SCHEMA_VERSION
 
 # (module, its top record) in pipeline order; each record's nested records follow it
@@ -44,6 +56,8 @@ def _type(ann: Any) -> str:
     if ann is type(None):
         return "null"
     if isinstance(ann, type) and issubclass(ann, BaseModel):
+        if ann not in _all():  # a recipe type (pipeline.recipe): named, documented there
+            return ann.__name__
         return f"[{ann.__name__}](#{ann.__name__.lower()})"
     return getattr(ann, "__name__", str(ann))
 
@@ -60,7 +74,8 @@ def _nested(cls: type[BaseModel], seen: set[str]) -> list[type[BaseModel]]:
 
 
 def _all() -> list[type[BaseModel]]:
-    mods = (snapshot, tokens, plan, checkpoint, evaluation, verdict, artifact, run)
+    mods = (snapshot, tokens, plan, estimate, checkpoint, evaluation, perf, served, verdict,
+            artifact, run)  # fmt: skip
     return [
         v
         for m in mods

@@ -25,11 +25,12 @@ class ResourceEstimate(Record):
     evaluate_gpu_bytes: int | None
     """Peak GPU memory of evaluate (one model and a batch of logits), null on the CPU."""
     disk_bytes: int
-    # `qship quantize` alone writes only the checkpoint (+ the offload files with disk)
-    checkpoint_disk_bytes: int | None = None
     """New cache entries and the artifact: bf16 snapshot, checkpoint twice, reference log-probs,
     the finished layers kept for a resume while quantize runs (and the weights' files with
     --offload disk)."""
+    checkpoint_disk_bytes: int | None = None
+    """What `qship quantize` alone writes: the checkpoint (and the weights' files with
+    --offload disk); null in records written before it was estimated."""
     basis: str
     """Which measured costs the figures come from."""
 
