@@ -28,6 +28,9 @@
 #            8B checkpoints and of Qwen's artifacts beside their 16-bit references; then
 #            `qship verify --serve vllm` of each new-format artifact (SERVE_MODELS, default
 #            gemma); then the long-context check of Gemma's FP8-KV mixed artifact
+#            ($SERVE_RECIPES: which formats to serve; 19:04 2026-12-05 served fp8-dynamic only)
+#   start-caps  the capped 8B runs again on cores 0-7 (after a fix), the waiter restarted to
+#            wait for them too (it must: vLLM cannot start beside another GPU job)
 #   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
 set -uo pipefail
 S=/root/stash
@@ -90,7 +93,7 @@ mixed8b() {  # OUT ROW ARGS...: gemma-mixed-w4 (AWQ + GPTQ + FP8 KV) on the rand
 
 served() {  # vLLM serves each new-format artifact as soon as its run is done, one at a time
   for t in ${SERVE_MODELS:-gemma}; do
-    for r in fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8; do
+    for r in ${SERVE_RECIPES:-fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8}; do
       while [ ! -f "$S/$t-$r.ok" ] && [ ! -f "$S/$t.done" ]; do sleep 3; done
       [ -d "$S/art-$t-$r" ] || continue
       QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify "$S/art-$t-$r" --serve vllm --serve-kv auto --json \
