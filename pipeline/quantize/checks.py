@@ -20,7 +20,6 @@ import torch
 from ..errors import StageError
 from ..model.checkpoint import CheckpointInspection, inspect_checkpoint
 from ..model.loading import load_model
-from ..model.roles import decoder_layer_list
 from ..recipe import CALIBRATED_METHODS, Recipe
 from ..records.plan import Plan
 
@@ -115,7 +114,7 @@ def verify_reload(
         raise StageError(
             f"transformers cannot reload the checkpoint: {e}", path=str(out_dir)
         ) from e
-    with torch.no_grad(), decompressed_per_layer(m):
+    with torch.no_grad(), decompressed_per_module(m):
         logits = m(input_ids=probe_ids).logits
     if not torch.isfinite(logits).all():
         if offload != "none":  # the probe dropped the offloaded weights: load them again
@@ -131,15 +130,16 @@ def verify_reload(
 
 
 @contextlib.contextmanager
-def decompressed_per_layer(model: Any) -> Iterator[None]:
+def decompressed_per_module(model: Any) -> Iterator[None]:
     """For one forward of a packed checkpoint loaded with offloading: compressed-tensors
     decompresses every Linear into 16-bit weights before the first forward, so the host then
     holds the whole model packed and dense (the 8B-dims reload check's 1.34x the weights,
-    H100 2026-12-05). Instead each decoder layer is decompressed as the forward reaches it
-    and its weights dropped (to meta) once it has run. The model serves that one forward."""
+    H100 2026-12-05). Instead each quantized module is decompressed as the forward reaches
+    it and its tensors dropped (to meta) once it has run: the model serves that one forward
+    (a module called twice in one forward would find nothing; none of the supported
+    architectures does that)."""
     hook = getattr(model, "ct_decompress_hook", None)
-    found = decoder_layer_list(model)
-    if hook is None or found is None:  # dense, or decompressed at load: nothing to save
+    if hook is None:  # dense, or decompressed at load: nothing to save
         yield
         return
     from compressed_tensors.compressors.base import decompress_module
@@ -147,26 +147,14 @@ def decompressed_per_layer(model: Any) -> Iterator[None]:
     from compressed_tensors.offload.utils import to_meta
     from compressed_tensors.quantization.utils import is_module_quantized
 
-    def decompress(root: Any) -> None:  # what ModelCompressor.decompress_model does, per layer
-        for mod in root.modules():
-            if is_module_quantized(mod):
-                decompress_module(mod)
-
-    def drop(root: Any) -> None:  # to_meta moves a module's own tensors, not its children's
-        for mod in root.modules():
-            to_meta(mod)
-
     hook.remove()
     del model.ct_decompress_hook
-    from_accelerate(model)  # as decompress_model: compressed-tensors' offloading
-    inside = {id(mod) for layer in found[1] for mod in layer.modules()}
-    for mod in model.modules():  # quantized modules outside the layers (a quantized head)
-        if id(mod) not in inside and is_module_quantized(mod):
-            decompress_module(mod)
+    from_accelerate(model)  # as ModelCompressor.decompress_model: compressed-tensors' offloading
     handles = []
-    for layer in found[1]:
-        handles.append(layer.register_forward_pre_hook(lambda mod, _args: decompress(mod)))
-        handles.append(layer.register_forward_hook(lambda mod, _args, _out: drop(mod)))
+    for mod in model.modules():
+        if is_module_quantized(mod):
+            handles.append(mod.register_forward_pre_hook(lambda m, _a: decompress_module(m)))
+            handles.append(mod.register_forward_hook(lambda m, _a, _o: to_meta(m)))
     try:
         yield
     finally:
