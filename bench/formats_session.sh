@@ -74,14 +74,18 @@ r8b() {  # the random 8B and its data-free checkpoints, quantized at once
   done
   wait
   [ "${R8B_EXTRA:-1}" = 1 ] || return 0  # R8B_EXTRA=0: the speed checkpoints only
-  # bigger than the GPU, shown (issue 32 item 3): a cap below one layer exits 2 before loading
-  mixed8b cap-tiny cap-200MB --offload auto --gpu-memory 200MB
-  # host memory under --offload cpu by phase (issue 32; 41.3 GB on 2026-12-04) beside a 12 GB
-  # cap under the 16 GB of weights with --offload auto choosing by itself: at once (device
-  # time; the peaks are per process, 2 x ~23 GB of a 128 GiB host), each with its own cache
+  # host memory under --offload cpu by phase (issue 32; 41.3 GB on 2026-12-04) beside the
+  # capped runs: at once (device time; the peaks are per process, 2 x ~23 GB of a 128 GiB
+  # host), each with its own cache
   mixed8b mixed-off mixed-offload --offload cpu &
-  mixed8b cap12 cap-12GB --offload auto --gpu-memory 12GB &
+  caps &
   wait
+}
+
+caps() {  # bigger than the GPU, shown (issue 32 item 3): a cap below one layer exits 2 before
+  # loading; a 12 GB cap under the 16 GB of weights, --offload auto choosing by itself
+  mixed8b cap-tiny cap-200MB --offload auto --gpu-memory 200MB
+  mixed8b cap12 cap-12GB --offload auto --gpu-memory 12GB
 }
 
 mixed8b() {  # OUT ROW ARGS...: gemma-mixed-w4 (AWQ + GPTQ + FP8 KV) on the random 8B
@@ -156,8 +160,7 @@ start-caps)  # the capped 8B runs again, on their own (after a fix), the waiter 
   pkill -f "[f]or j in .*done" ; rm -rf "$S/r8b-cap12" "$S/r8b-cap-tiny"; bg caps 0-7
   WAIT_FOR="${WAIT_FOR:-gemma r8b} caps" bash bench/formats_session.sh waiter
   ;;
-run-caps) link; mixed8b cap-tiny cap-200MB --offload auto --gpu-memory 200MB
-  mixed8b cap12 cap-12GB --offload auto --gpu-memory 12GB ;;
+run-caps) link; caps ;;
 waiter)
   setsid nohup bash -c "for j in ${WAIT_FOR:-gemma r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
     bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done;
