@@ -23,6 +23,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 TOKENIZER = Path(__file__).resolve().parent.parent / "tests/fixtures/models/tiny-llama"
 
 
+def llama8b_config():
+    """Llama-3-8B's dimensions (32 layers of 4096 hidden, 14336 MLP, 32/8 heads)."""
+    return LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        tie_word_embeddings=False, torch_dtype="bfloat16",
+    )  # fmt: skip
+
+
 def moe_config(layers: int):
     from transformers import Qwen3MoeConfig
 
@@ -36,26 +46,7 @@ def moe_config(layers: int):
 
 
 def main(out: Path, moe_layers: int = 0) -> None:
-    cfg = (
-        moe_config(moe_layers)
-        if moe_layers
-        else LlamaConfig(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=8192,
-            rope_theta=500000.0,
-            rms_norm_eps=1e-5,
-            bos_token_id=2,
-            eos_token_id=1,
-            pad_token_id=0,
-            tie_word_embeddings=False,
-            torch_dtype="bfloat16",
-        )
-    )
+    cfg = moe_config(moe_layers) if moe_layers else llama8b_config()
     t = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

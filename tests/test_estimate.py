@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from make_random_llama import llama8b_config, moe_config  # noqa: E402
 
 
 def test_plan_on_paper_for_several_gpus_and_another_host(tmp_path, capsys, monkeypatch):
@@ -14,15 +17,11 @@ def test_plan_on_paper_for_several_gpus_and_another_host(tmp_path, capsys, monke
     host size given decides --offload auto (not this machine's), and N ranks each cache
     their share of the calibration inputs, take their share of the time and bring their own
     process overhead; the basis says the split is assumed."""
-    from transformers import LlamaConfig
-
     from pipeline.model import devices
     from tests.cli_run import qship
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
     model = tmp_path / "llama-8b-dims"
-    cfg.save_pretrained(model)
+    llama8b_config().save_pretrained(model)
     monkeypatch.setattr(devices, "free_gpu_bytes", lambda d: None)  # no GPU here
     monkeypatch.setattr(devices, "free_cpu_bytes", lambda: int(4e9))  # nor much memory
     base = ["plan", "--model", str(model), "--recipe", str(ROOT / "recipes" / "gemma-mixed-w4.yaml"),
@@ -53,9 +52,6 @@ def test_the_moe_term_holds_the_measured_moe_row(tmp_path, capsys, monkeypatch):
     from pipeline.model import devices
     from tests.cli_run import qship
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from make_random_llama import moe_config
-
     moe_config(2).save_pretrained(tmp_path / "moe2")
     monkeypatch.setattr(devices, "free_gpu_bytes", lambda d: int(140e9))
     monkeypatch.setattr(devices, "free_cpu_bytes", lambda: int(100e9))
@@ -73,16 +69,12 @@ def test_quantize_alone_needs_disk_for_its_checkpoint_only(tmp_path, capsys, mon
     8B-dims quantize was refused for the run's 44.1 GB with 35 GB free and a 5.6 GB checkpoint."""
     from collections import namedtuple
 
-    from transformers import LlamaConfig
-
     from pipeline.model import devices
     from pipeline.runner import stages
     from tests.cli_run import qship
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
     model = tmp_path / "llama-8b-dims"
-    cfg.save_pretrained(model)
+    llama8b_config().save_pretrained(model)
     monkeypatch.setattr(devices, "free_gpu_bytes", lambda d: int(80e9))
     monkeypatch.setattr(devices, "free_cpu_bytes", lambda: int(100e9))
     usage = namedtuple("usage", "total used free")
@@ -134,21 +126,17 @@ def test_the_time_term_holds_the_measured_dense_rows():
     8B-dims Llama 79.5 s (bench/RESULTS.md, "Resource estimate"), --offload cpu on the 8B
     86.7 s; 2 layers of Qwen3-30B-A3B dims 81.2 s (the GPU shared). The method-weighted
     parameters with the constants fitted before them predicted 54 s for the 8B (-32 %)."""
-    from transformers import Gemma3TextConfig, LlamaConfig
+    from transformers import Gemma3TextConfig
 
     from pipeline.quantize import plan_for_config
     from pipeline.quantize.estimate import estimate
     from pipeline.recipe import load_recipe
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from make_random_llama import moe_config
-
     r = load_recipe(ROOT / "recipes" / "gemma-mixed-w4.yaml")
     gemma = Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                              num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                              vocab_size=262144)  # fmt: skip
-    llama = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+    llama = llama8b_config()
     rows = [(gemma, "none", 10.5, 0.10), (llama, "none", 79.5, 0.10), (llama, "cpu", 86.7, 0.10),
             (moe_config(2), "none", 81.2, 0.25)]  # fmt: skip
     for cfg, offload, measured, within in rows:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import textwrap
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from pipeline.quantize.distributed import launch
 from pipeline.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from make_random_llama import llama8b_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -148,15 +152,11 @@ def test_offload_choice_follows_free_memory(capsys, tmp_path, monkeypatch):
     """`--offload auto` on an 8B-dims config: all on the GPU when it fits, host memory (one
     layer on the GPU: under a quarter of the GPU peak) when it does not, disk when the host
     is short too; with --offload none on too small a GPU the fix names --offload cpu."""
-    from transformers import LlamaConfig
-
     from pipeline.model import devices
     from tests.cli_run import qship
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
     model = tmp_path / "llama-8b-dims"
-    cfg.save_pretrained(model)
+    llama8b_config().save_pretrained(model)
     recipe = str(ROOT / "recipes" / "gemma-mixed-w4.yaml")
 
     def plan(gpu_gb: float, cpu_gb: float, offload: str = "auto") -> tuple[int, dict]:
@@ -234,7 +234,6 @@ def test_resume_after_a_kill(setup, tiny_llama, tmp_path, corrupt, resumed_layer
     its sha256 (truncated, altered, another shape) is calibrated again with every layer
     after it: the same checkpoint, fewer layers resumed."""
     import subprocess
-    import sys
 
     from pipeline.records.checkpoint import QuantizedCheckpoint
 
@@ -351,15 +350,11 @@ def test_gpu_memory_cap_chooses_offload_and_refuses_what_cannot_fit(tmp_path, ca
     """--gpu-memory: the estimate plans with the cap, not the card (an 8B-dims model on a
     140 GB card capped at 12 GB is put in host memory by --offload auto), and a cap below
     what one decoder layer needs exits 2 before anything is loaded, naming that need."""
-    from transformers import LlamaConfig
-
     from pipeline.model import devices
     from tests.cli_run import qship
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
     model = tmp_path / "llama-8b-dims"
-    cfg.save_pretrained(model)
+    llama8b_config().save_pretrained(model)
     recipe = str(ROOT / "recipes" / "gemma-mixed-w4.yaml")
     monkeypatch.setattr(devices, "free_gpu_bytes", lambda d: int(140e9))
     monkeypatch.setattr(devices, "free_cpu_bytes", lambda: int(100e9))

@@ -15,9 +15,9 @@ With --offload cpu|disk the weights stay off the GPU and one decoder layer (or t
 embeddings / lm_head) is there at a time: W above becomes 2·L, L the largest such unit's
 bytes (it and its quantized copy); each layer's weights cross to the GPU and back, + T
 seconds per byte of layer (time); the host holds W + Q + R with cpu (8B dims on an H100:
-22.98 GB anonymous measured, 23.8 predicted; its peak is now the save, the compressed copy
-beside the 16-bit weights -- before the reload check stopped pinning and the calibrated
-model's cached page-locked blocks were released, 2·W + 2·Q: 40.6) or only L + R with disk.
+23.8 GB predicted, 21.5 GB anonymous measured, in the reload check -- before the check
+stopped pinning and the calibrated model's cached page-locked blocks were released, 40.6
+measured, 2·W + 2·Q) or only L + R with disk.
 `auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
 fits free host memory, else disk.
 
@@ -30,8 +30,8 @@ constants are fitted to measured runs (bench/RESULTS.md "Resource estimate"): C 
 (allocator and kernels), R = 2.0 GB (torch, transformers, datasets, the tokenizer), a =
 0.525 / 7 s per quantized Linear and b = 1.262e-8 s per method-weighted parameter at 65,536
 tokens (H200: Gemma 3 270M 10.5 s and an 8B-dims Llama 79.5 s, 7 quantized Linears a
-layer), k = 2.2e-10 s per parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9 s per byte (H200 host link,
-page-locked host copies: 8B dims, --offload cpu vs none).
+layer), k = 2.2e-10 s per parameter-token (2-core CPU: Gemma 3 270M), T = 0.7e-9 s per
+byte (H200 host link, page-locked host copies: 8B dims, --offload cpu vs none).
 The time terms count each Linear's parameters weighted by what its method costs relative to
 the mixed recipe the constants were fitted on (METHOD_COST): on the 2-core CPU (Gemma 3 270M,
 32 x 256 tokens, one process per recipe) RTN took 33.7 s, GPTQ 66.5 s, AWQ 445.9 s and the
