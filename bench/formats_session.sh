@@ -8,8 +8,10 @@
 # joined by `stage`) and .devstash8 (p2), and
 # what `vllm serve` imports beyond that pack in .devstash9/p3whl (model-hosting-container-
 # standards 0.1.16, jmespath, supervisor: `pip download --no-deps`), one carry of <= 52 MB
-# per call, moved into /root/stash at once. Run nothing else on the GPU while vLLM starts:
-# its memory profiling fails when another process frees GPU memory meanwhile. The machine is
+# per call, moved into /root/stash at once. The served checks size vLLM's KV cache for their
+# rows (no free-memory profiling), so they run beside the other GPU jobs and each other; the
+# served-speed bench (`vllm serve`, --gpu-memory-utilization 0.85: KV capacity is one of its
+# figures) runs alone, last. The machine is
 # released after 30 s without a call: poll back to back (sleep N; collect), never with local
 # work between polls that could outlast that (a machine and its rows were lost so, 17:04
 # 2026-12-05). The 8B jobs and the quality jobs get separate cores (taskset: 8B 0-7, the
@@ -18,19 +20,20 @@
 #   start-r8b / start-gemma / start-qwen / start-final  each job as soon as its inputs are in
 #            (setsid: they outlive the call; r8b in the first call), every row's JSON written
 #            to $S/rows as it completes:
-#              gemma, qwen  `qship run` of the recipes of bench/recipes/formats ($RECIPES: the
-#                           four formats; + w4a16-gptq, W4A8's twin), no served check yet
+#              gemma, qwen  `qship run` of $RECIPES (bench/recipes/formats' -h200 recipes or
+#                           any exported recipe by name; + w4a16-gptq, W4A8's twin), each
+#                           artifact's `qship verify --serve vllm` started when it is written
+#                           (waiting for vLLM's environment); then for the models in $LC the
+#                           FP8-KV mixed recipe and its long-context check (4k, 16k, max)
 #              r8b          a random Llama-3-8B-dims model, `qship quantize` with the data-free
 #                           RTN recipes of bench/recipes/perf ($SPEED; speed needs no trained
 #                           weights), then gemma-mixed-w4 with --offload cpu (host memory by
-#                           phase), then under --gpu-memory caps with --offload auto
-#            once those are done, alone on the GPU: served speed (bench/perf_bench.py) of the
-#            8B checkpoints and of Qwen's artifacts beside their 16-bit references; then
-#            `qship verify --serve vllm` of each new-format artifact (SERVE_MODELS, default
-#            gemma); then the long-context check of Gemma's FP8-KV mixed artifact
-#            ($SERVE_RECIPES: which formats to serve; 19:04 2026-12-05 served fp8-dynamic only)
+#                           phase), then (CAPS=1) under --gpu-memory caps with --offload auto
+#            once those and every served check are done, alone on the GPU: served speed
+#            (bench/perf_bench.py) of Qwen's artifacts, then of the 8B checkpoints, each beside
+#            its 16-bit reference
 #   start-caps  the capped 8B runs again on cores 0-7 (after a fix), the waiter restarted to
-#            wait for them too (it must: vLLM cannot start beside another GPU job)
+#            wait for them too
 #   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
 set -uo pipefail
 S=/root/stash
@@ -42,6 +45,7 @@ QG=$S/qwen.gguf
 L=.qship-gpu/recipes
 Q="python3 -m pipeline.cli"
 RECIPES=${RECIPES:-"fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8"}  # + w4a16-gptq: W4A8's twin
+LC=${LC:-gemma}  # the models whose FP8-KV mixed run gets the long-context check
 # served speed: the anchors' formats (device time); SPEED="" quantizes none (a restart)
 SPEED=${SPEED-"rtn-w4a16 fp8-dynamic-rtn"}
 
@@ -51,19 +55,34 @@ bg() {  # JOB [CPUS] in the background, outliving the call, on cores CPUS; $S/JO
     "bash bench/formats_session.sh run-$1 > $S/$1.log 2>&1; touch $S/$1.done" > /dev/null 2>&1 &
 }
 
-quality() {  # TAG GGUF: fetch (the reference folder), then each recipe; rows as they finish
+recipe() { if [ -f "$L/$1-h200.yaml" ]; then echo "$L/$1-h200.yaml"; else echo "$L/$1.yaml"; fi; }
+
+quality() {  # TAG GGUF: fetch (the reference folder), then each recipe; rows as they finish,
+  # each artifact's served check started as soon as it is written
   local t=$1 m=$2
   $Q fetch "$m" --cache-dir "$S/cache-$t" --json > "$S/rows/$t-fetch.json" 2> "$S/$t-fetch.log"
   for r in $RECIPES; do
-    $Q run --model "$m" --recipe "$L/$r-h200.yaml" --out "$S/art-$t-$r" --cache-dir "$S/cache-$t" \
+    $Q run --model "$m" --recipe "$(recipe "$r")" --out "$S/art-$t-$r" --cache-dir "$S/cache-$t" \
       --device cuda --json > "$S/rows/$t-$r-run.json" 2> "$S/$t-$r.log"
     echo "== $t $r rc $?"; touch "$S/$t-$r.ok"
     cp "$S/art-$t-$r.report/eval.json" "$S/rows/$t-$r-eval.json" 2>/dev/null
+    [ -d "$S/art-$t-$r" ] && serve_bg "$t" "$r"
   done
-  [ "$t" = gemma ] || return 0  # the FP8-KV mixed recipe for the long-context check (issue 31)
+  case " $LC " in *" $t "*) ;; *) return 0 ;; esac  # the FP8-KV mixed recipe, long context (31)
   $Q run --model "$m" --recipe "$L/mixed-lc-h200.yaml" --out "$S/art-$t-mixed-lc" --cache-dir "$S/cache-$t" \
     --device cuda --json > "$S/rows/$t-mixed-lc-run.json" 2> "$S/$t-mixed-lc.log"
   echo "== $t mixed-lc rc $?"
+  [ -d "$S/art-$t-mixed-lc" ] && serve_bg "$t" mixed-lc \
+    "--reference $(python3 -c "import json;print(json.load(open('$S/rows/$t-fetch.json'))['path'])")"
+}
+
+serve_bg() {  # T R [ARGS]: `qship verify --serve vllm` of art-T-R in the background, once vLLM's
+  # environment is in ($S/vllm.ready). The served check sizes vLLM's KV cache for its rows, so
+  # vLLM skips its free-memory profiling and runs beside the other GPU jobs and checks.
+  setsid nohup taskset -c 0-15 bash -c "while [ ! -f $S/vllm.ready ]; do sleep 3; done
+    QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify $S/art-$1-$2 --serve vllm --serve-kv auto ${3:-} --json \
+      > $S/rows/$1-$2-served.json 2> $S/$1-$2-served.log
+    echo \"== served $1 $2 rc \$?\" >> $S/served.log" > /dev/null 2>&1 &
 }
 
 r8b() {  # the random 8B and its data-free checkpoints, quantized at once
@@ -75,10 +94,10 @@ r8b() {  # the random 8B and its data-free checkpoints, quantized at once
   wait
   [ "${R8B_EXTRA:-1}" = 1 ] || return 0  # R8B_EXTRA=0: the speed checkpoints only
   # host memory under --offload cpu by phase (issue 32; 41.3 GB on 2026-12-04) beside the
-  # capped runs: at once (device time; the peaks are per process, 2 x ~23 GB of a 128 GiB
-  # host), each with its own cache
+  # capped runs (CAPS=0: none): at once (device time; the peaks are per process, 2 x ~23 GB
+  # of a 128 GiB host), each with its own cache
   mixed8b mixed-off mixed-offload --offload cpu &
-  caps &
+  [ "${CAPS:-1}" = 1 ] && caps &
   wait
 }
 
@@ -95,40 +114,21 @@ mixed8b() {  # OUT ROW ARGS...: gemma-mixed-w4 (AWQ + GPTQ + FP8 KV) on the rand
   echo "== r8b mixed $* rc $?"
 }
 
-served() {  # vLLM serves each new-format artifact as soon as its run is done, one at a time
-  for t in ${SERVE_MODELS:-gemma}; do
-    for r in ${SERVE_RECIPES:-fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8}; do
-      while [ ! -f "$S/$t-$r.ok" ] && [ ! -f "$S/$t.done" ]; do sleep 3; done
-      [ -d "$S/art-$t-$r" ] || continue
-      QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify "$S/art-$t-$r" --serve vllm --serve-kv auto --json \
-        > "$S/rows/$t-$r-served.json" 2> "$S/$t-$r-served.log"
-      echo "== served $t $r rc $?"
-    done
-  done
-}
-
-long_context() {  # retrieval at 4k, 16k and 32k tokens, FP8 KV as served and 16-bit, beside the reference
-  local ref
-  ref=$(python3 -c "import json;print(json.load(open('$S/rows/gemma-fetch.json'))['path'])" 2>/dev/null)
-  [ -d "$S/art-gemma-mixed-lc" ] && [ -n "$ref" ] && QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify \
-    "$S/art-gemma-mixed-lc" --serve vllm --reference "$ref" --json > "$S/rows/gemma-mixed-lc-served.json" \
-    2> "$S/gemma-mixed-lc-served.log"
-  echo "== served gemma mixed-lc (long context) rc $?"
-}
-
-speed() {  # alone on the GPU: the 8B checkpoints, then Qwen's artifacts
-  local c=""
-  for r in $SPEED; do [ -f "$S/r8b-$r/config.json" ] && c="$c $r=$S/r8b-$r"; done
-  QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py --reference "$S/r8b" --out "$S/rows/perf-r8b" \
-    --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-1}" --min-prompts "${MINP:-8}" $c
-  echo "== perf r8b rc $?"
-  local ref
+speed() {  # alone on the GPU: Qwen's artifacts, then the 8B checkpoints (+ the mixed one)
+  local ref c=""
   ref=$(python3 -c "import json;print(json.load(open('$S/rows/qwen-fetch.json'))['path'])" 2>/dev/null)
-  c=""
-  for r in fp8-dynamic w8a8-int8-sq w4a8-fp8 w4a16-gptq; do [ -d "$S/art-qwen-$r" ] && c="$c $r=$S/art-qwen-$r"; done
-  [ -n "$ref" ] && QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py --reference "$ref" \
-    --out "$S/rows/perf-qwen" --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-2}" $c
+  for r in w4a16-gptq fp8-dynamic w8a8-int8-sq w4a8-fp8 fp8-block; do
+    [ -d "$S/art-qwen-$r" ] && c="$c $r=$S/art-qwen-$r"
+  done
+  [ -n "$ref" ] && [ -n "$c" ] && QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py \
+    --reference "$ref" --out "$S/rows/perf-qwen" --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-2}" $c
   echo "== perf qwen rc $?"
+  c=""
+  for r in $SPEED; do [ -f "$S/r8b-$r/config.json" ] && c="$c $r=$S/r8b-$r"; done
+  [ -f "$S/r8b-mixed-off/config.json" ] && c="$c gemma-mixed-w4=$S/r8b-mixed-off"
+  [ -n "$c" ] && QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py --reference "$S/r8b" \
+    --out "$S/rows/perf-r8b" --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-1}" --min-prompts "${MINP:-8}" $c
+  echo "== perf r8b rc $?"
 }
 
 case "$1" in
@@ -150,10 +150,10 @@ start-qwen)
   link; [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
   rm -f "$S"/qwen/*.part0*; bg qwen 8-15
   ;;
-start-final)  # the last vLLM part in: its environment; once every GPU job is done (vLLM's start
-  # fails when another process frees GPU memory meanwhile), alone on the GPU: served speed,
-  # then the served checks, then the long-context check
+start-final)  # the last vLLM part in: its environment (the waiting served checks start); once
+  # every GPU job and check is done, alone on the GPU: served speed
   link; OUT=$S bash bench/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
+  [ -x "$S/vllm-python" ] && touch "$S/vllm.ready"  # the waiting served checks start
   bash bench/formats_session.sh waiter
   ;;
 start-caps)  # the capped 8B runs again, on their own (after a fix), the waiter told to wait for them
@@ -162,23 +162,20 @@ start-caps)  # the capped 8B runs again, on their own (after a fix), the waiter 
   ;;
 run-caps) link; caps ;;
 waiter)
-  setsid nohup bash -c "for j in ${WAIT_FOR:-gemma r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
-    bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done;
-    bash bench/formats_session.sh run-served > $S/served.log 2>&1; touch $S/served.done;
-    bash bench/formats_session.sh run-lc > $S/lc.log 2>&1; touch $S/lc.done" > /dev/null 2>&1 &
+  setsid nohup bash -c "for j in ${WAIT_FOR:-gemma qwen r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
+    while pgrep -f '[p]ipeline.cli verify' > /dev/null; do sleep 3; done;
+    bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done" > /dev/null 2>&1 &
   sleep 2; tail -n 3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
   ;;
 run-gemma) link; quality gemma "$G" ;;
 run-qwen) link; quality qwen "$QG" ;;
 run-r8b) link; r8b ;;
-run-served) link; served ;;
 run-speed) link; speed ;;
-run-lc) link; long_context ;;
 collect)
   if [ "${WAIT:-0}" = 1 ]; then
     for j in ${JOBS:-speed}; do while [ ! -f "$S/$j.done" ]; do sleep 5; done; done
   fi
-  for j in gemma qwen r8b served speed lc; do
+  for j in gemma qwen r8b served speed; do
     echo "## $j $([ -f $S/$j.done ] && echo done)"; grep -E "^==|FAILED|Error" "$S/$j.log" 2>/dev/null | tail -12
   done
   for f in "$S"/*-served.log "$S"/gemma-*.log "$S"/qwen-*.log; do

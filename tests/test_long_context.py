@@ -77,10 +77,13 @@ class _Copier:
     def __init__(self, ok: int, name: str = "fake"):
         self.ok, self.name, self.facts = ok, name, {}
 
-    def tail_top1(self, ids: torch.Tensor, n: int) -> torch.Tensor:
-        out = ids[:, -n:].clone()
-        out[self.ok :] = (out[self.ok :] + 1) % 100
-        return out
+    def tail_top1_sets(self, sets: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        outs = []
+        for ids, n in sets:
+            out = ids[:, -n:].clone()
+            out[self.ok :] = (out[self.ok :] + 1) % 100
+            outs.append(out)
+        return outs
 
 
 def _run(tok, ok: dict[tuple[str, str], int], has_kv: bool):

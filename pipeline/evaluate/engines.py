@@ -7,7 +7,10 @@ deployment would and returns its log-probs at requested tokens.
 * vllm -- `vllm.LLM` on the artifact folder exactly as a server would load it (its
   quantization config, the KV cache dtype asked for; compiled unless `eager`), prompt
   log-probs of the engine's top `served_topk` tokens per position; in a child process of
-  vLLM's own environment (vllm_child.py).
+  vLLM's own environment (vllm_child.py). Its KV cache is sized for the check's own rows
+  (kv_cache_bytes), not profiled from free memory: vLLM then skips the profiler that aborts
+  when another process on the GPU frees memory during its start, and takes what the check
+  needs instead of half the GPU, so a check can run beside other GPU jobs.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ class TransformersEngine:
                 del logits, lp
         return torch.cat(out), torch.cat(top1), 0
 
+    def tail_top1_sets(self, sets: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        return [self.tail_top1(ids, n) for ids, n in sets]
+
     @torch.inference_mode()
     def tail_top1(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         """[N, n]: the top-1 token predicted at each of each row's last n positions, one
@@ -127,6 +133,31 @@ def kernels_in_log(text: str) -> dict[str, str]:
     return out
 
 
+KV_FLOOR_BYTES = 256 << 20  # vLLM's blocks for a short check; a few MB would do
+KV_MAX_SEQS = 64  # sequences held at once; vLLM schedules the rest in turn
+
+
+def kv_cache_bytes(config: dict, kv_cache_dtype: str, seqs: int, seq_len: int) -> int:
+    """KV-cache memory for `seqs` sequences of `seq_len` tokens (at most KV_MAX_SEQS at
+    once), as if every layer attended to the full context (an upper bound where layers
+    use a sliding window), plus 10 %."""
+    from ..model.checkpoint import text_config
+
+    c = text_config(config)
+    heads = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+    width = 1 if kv_cache_dtype.startswith("fp8") else 2
+    per_token = (
+        2
+        * int(c["num_hidden_layers"])
+        * int(c.get("num_key_value_heads") or heads)
+        * head_dim
+        * width
+    )
+    need = per_token * min(seqs, KV_MAX_SEQS) * seq_len
+    return max(KV_FLOOR_BYTES, int(need * 1.1))
+
+
 class VllmEngine:
     """vLLM in a child process (vllm_child.py) of $QSHIP_VLLM_PYTHON -- its own environment,
     since vLLM pins other versions than qship (requirements/serve.lock) -- or of this Python
@@ -134,7 +165,7 @@ class VllmEngine:
 
     def __init__(self, model_dir: Path, *, kv_cache_dtype: str = "auto", device: str | None = None,
                  attention: str = "", max_len: int = 0, served_topk: int = 256,
-                 eager: bool = False, gpu_memory_utilization: float = 0.5) -> None:  # fmt: skip
+                 eager: bool = False) -> None:  # fmt: skip
         reason = unavailable("vllm")
         if reason is not None:
             raise UsageError(
@@ -144,9 +175,9 @@ class VllmEngine:
                 "environment (`make serve-env`) and set QSHIP_VLLM_PYTHON to its python; "
                 "on a GPU host without internet see the README, 'GPU host without internet'",
             )
+        self.config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         self.args = {"model": str(Path(model_dir).resolve()), "kv_cache_dtype": kv_cache_dtype,
-                     "served_topk": served_topk, "eager": eager,
-                     "gpu_memory_utilization": gpu_memory_utilization}  # fmt: skip
+                     "served_topk": served_topk, "eager": eager}  # fmt: skip
         self.name = "vllm"
         self.facts: dict[str, str] = {"kv_cache_dtype": kv_cache_dtype, "enforce_eager": str(eager)}
 
@@ -156,11 +187,12 @@ class VllmEngine:
         out, missing = self._child({"ids": ids, "want": want}, self.args)
         return out["vals"], out["top1"], missing
 
-    def tail_top1(self, ids: torch.Tensor, n: int) -> torch.Tensor:
-        """[N, n]: vLLM's greedy continuation of each row's first T - n tokens."""
-        args = {**self.args, "generate": n}
-        out, _ = self._child({"ids": ids[:, :-n]}, args)
-        return out["generated"]
+    def tail_top1_sets(self, sets: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Per set (ids [N, T], n): [N, n], vLLM's greedy continuation of each row's first
+        T - n tokens -- every set in one engine start."""
+        args = {**self.args, "generate": [n for _, n in sets]}
+        out, _ = self._child({f"ids.{i}": ids[:, :-n] for i, (ids, n) in enumerate(sets)}, args)
+        return [out[f"generated.{i}"] for i in range(len(sets))]
 
     def _child(self, tensors: dict[str, torch.Tensor], args: dict) -> tuple[dict, int]:
         import sys
@@ -172,6 +204,12 @@ class VllmEngine:
 
         with tempfile.TemporaryDirectory(prefix="qship-vllm-") as tmp:
             work = Path(tmp)
+            # the rows vLLM holds at once: the longest prompt and what it generates
+            sets = [v for k, v in tensors.items() if k.startswith("ids")]
+            seq_len = max(int(x.shape[1]) for x in sets) + max([1, *(args.get("generate") or [])])
+            args = {**args, "kv_cache_memory_bytes": kv_cache_bytes(
+                self.config, str(args["kv_cache_dtype"]), max(int(x.shape[0]) for x in sets),
+                seq_len)}  # fmt: skip
             (work / "args.json").write_text(json.dumps(args))
             save_file({k: v.int().contiguous() for k, v in tensors.items()},
                       str(work / "in.safetensors"))  # fmt: skip

@@ -43,9 +43,9 @@ class TailEngine(Protocol):
     name: str
     facts: dict[str, str]
 
-    def tail_top1(self, ids: torch.Tensor, n: int) -> torch.Tensor:
-        """[N, n]: the greedy token at each of the last n positions of each row (predicted
-        from the tokens before it)."""
+    def tail_top1_sets(self, sets: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Per set (ids [N, T], n): [N, n], the greedy token at each of the last n positions
+        of each row (predicted from the tokens before it); every set in one engine start."""
         ...
 
 
@@ -133,11 +133,14 @@ def _contains(seq: list[int], sub: list[int]) -> bool:
     return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
-def retrieved(engine: TailEngine, t: Trials) -> list[bool]:
-    """Per trial: the passkey came back exactly."""
-    got = engine.tail_top1(t.ids, t.answer_len)
-    want = t.ids[:, -t.answer_len :]
-    return [bool(x) for x in (got.to(want.device) == want).all(dim=1).tolist()]
+def retrieved(engine: TailEngine, sets: list[Trials]) -> list[list[bool]]:
+    """Per set, per trial: the passkey came back exactly."""
+    got = engine.tail_top1_sets([(t.ids, t.answer_len) for t in sets])
+    out = []
+    for g, t in zip(got, sets, strict=True):
+        want = t.ids[:, -t.answer_len :]
+        out.append([bool(x) for x in (g.to(want.device) == want).all(dim=1).tolist()])
+    return out
 
 
 def run(
@@ -159,16 +162,15 @@ def run(
     engine_name = ""
     with (
         log.heartbeat("long-context check"),
-        log.Progress("long-context check", total=len(runs) * len(sets), unit="passes") as bar,
+        log.Progress("long-context check", total=len(runs), unit="models") as bar,
     ):
         for label, folder, kv in runs:
             eng = make_engine(folder, kv)
             rates[label] = {}
-            for n, t in sets.items():
-                ok = retrieved(eng, t)
+            for n, ok in zip(sets, retrieved(eng, list(sets.values())), strict=True):
                 rates[label][n] = sum(ok) / len(ok)
-                bar.advance(1)
                 log.detail(f"long context: {label} retrieved {sum(ok)}/{len(ok)} at {n} tokens")
+            bar.advance(1)
             engine_name = eng.name
             del eng
     rows = [

@@ -3,8 +3,9 @@ from qship's: requirements/serve.lock), so it imports nothing from qship.
 
     python vllm_child.py WORKDIR     # reads WORKDIR/args.json + in.safetensors (ids, want)
 
-With args["generate"] = n it generates n tokens greedily after each row instead (the
-long-context check) and writes `generated` [N, n].
+With args["generate"] = [n0, n1, ...] it generates n_i tokens greedily after each row of
+`ids.i` instead (the long-context check: every length in one engine start) and writes
+`generated.i` [N_i, n_i].
 
 Loads the artifact with vllm.LLM as a server would (its quantization config, the KV cache
 dtype asked for, compiled unless eager), asks for the prompt log-probs of the top
@@ -62,6 +63,20 @@ def inspect(model) -> dict:
     return {"linear_kernels": kernels, "attention": attn}
 
 
+def llm_kwargs(args: dict, max_model_len: int, total_memory: int) -> dict:
+    """vllm.LLM's arguments: the KV cache at the size qship computed for the check
+    (args["kv_cache_memory_bytes"]: vLLM skips its free-memory profiling), and a
+    gpu_memory_utilization that only asks, at start, for room for the weights, that cache
+    and 2 GiB of activations and graphs."""
+    kv = int(args["kv_cache_memory_bytes"])
+    weights = sum(f.stat().st_size for f in Path(args["model"]).glob("*.safetensors"))
+    util = min(0.95, max(0.01, (weights + kv + (2 << 30)) / total_memory))
+    return {"model": args["model"], "dtype": "auto", "kv_cache_dtype": args["kv_cache_dtype"],
+            "max_logprobs": int(args["served_topk"]), "enforce_eager": bool(args["eager"]),
+            "seed": 0, "max_model_len": max_model_len, "kv_cache_memory_bytes": kv,
+            "gpu_memory_utilization": round(util, 4)}  # fmt: skip
+
+
 def main(work: Path) -> None:
     import torch
     import vllm
@@ -71,37 +86,42 @@ def main(work: Path) -> None:
 
     args = json.loads((work / "args.json").read_text())
     data = load_file(str(work / "in.safetensors"))
-    ids = data["ids"].long()
     k = int(args["served_topk"])
-    gen = int(args.get("generate") or 0)
+    gens = [int(n) for n in args.get("generate") or []]  # one per set `ids.i`
+    sets = [data[f"ids.{i}"].long() for i in range(len(gens))] or [data["ids"].long()]
+    longest = max(int(x.shape[1]) + max(g, 1) for x, g in zip(sets, gens or [0], strict=True))
     t0 = time.perf_counter()
-    llm = LLM(model=args["model"], dtype="auto", kv_cache_dtype=args["kv_cache_dtype"],
-              max_logprobs=k, enforce_eager=bool(args["eager"]), seed=0,
-              max_model_len=int(ids.shape[1]) + max(gen, 1),
-              gpu_memory_utilization=float(args["gpu_memory_utilization"]))  # fmt: skip
+    kwargs = llm_kwargs(args, longest, torch.cuda.get_device_properties(0).total_memory)
+    llm = LLM(**kwargs)
     facts: dict = {
         "engine": f"vllm {vllm.__version__}",
         "load_s": round(time.perf_counter() - t0, 2),
+        "kv_cache_memory_bytes": kwargs["kv_cache_memory_bytes"],
+        "gpu_memory_utilization": kwargs["gpu_memory_utilization"],
     }
     try:
         facts.update(llm.apply_model(inspect)[0])
     except Exception as e:  # noqa: BLE001 - best effort; vllm's log says it too
         facts["inspect_error"] = repr(e)[:300]
-    if gen:  # the long-context check: greedy continuations, no log-probs
-        sp = SamplingParams(max_tokens=gen, min_tokens=gen, temperature=0.0, ignore_eos=True,
-                            detokenize=False)  # fmt: skip
-    else:
-        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=r.tolist()) for r in ids], sp,
-                        use_tqdm=False)  # fmt: skip
-    facts["score_s"] = round(time.perf_counter() - t0, 2)
-    if gen:
-        got = torch.tensor([list(o.outputs[0].token_ids)[:gen] for o in outs], dtype=torch.long)
-        save_file({"generated": got}, str(work / "out.safetensors"))
+    if gens:  # the long-context check: greedy continuations of each set, no log-probs
+        got = {}
+        for i, (ids, gen) in enumerate(zip(sets, gens, strict=True)):
+            sp = SamplingParams(max_tokens=gen, min_tokens=gen, temperature=0.0,
+                                ignore_eos=True, detokenize=False)  # fmt: skip
+            outs = llm.generate([TokensPrompt(prompt_token_ids=r.tolist()) for r in ids], sp,
+                                use_tqdm=False)  # fmt: skip
+            got[f"generated.{i}"] = torch.tensor(
+                [list(o.outputs[0].token_ids)[:gen] for o in outs], dtype=torch.long)  # fmt: skip
+        save_file(got, str(work / "out.safetensors"))
     else:
+        ids = sets[0]
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=r.tolist()) for r in ids], sp,
+                            use_tqdm=False)  # fmt: skip
         vals, top1, facts["missing"] = _logprobs(outs, data["want"].long(), ids.shape[1] - 1)
         save_file({"vals": vals, "top1": top1}, str(work / "out.safetensors"))
+    facts["score_s"] = round(time.perf_counter() - t0, 2)
     (work / "facts.json").write_text(json.dumps(facts, indent=1, sort_keys=True))
 
 
