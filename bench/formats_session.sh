@@ -32,6 +32,8 @@
 #            once those and every served check are done, alone on the GPU: served speed
 #            (bench/perf_bench.py) of Qwen's artifacts, then of the 8B checkpoints, each beside
 #            its 16-bit reference
+#   start-bench6  Gemma's formats with lm-eval's six tasks on their full sets, all at once
+#            (bench/recipes/formats/*-bench6.yaml; WAIT_FOR="gemma qwen r8b bench6" then)
 #   start-caps  the capped 8B runs again on cores 0-7 (after a fix), the waiter restarted to
 #            wait for them too
 #   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
@@ -114,6 +116,19 @@ mixed8b() {  # OUT ROW ARGS...: gemma-mixed-w4 (AWQ + GPTQ + FP8 KV) on the rand
   echo "== r8b mixed $* rc $?"
 }
 
+bench6() {  # TAG GGUF: lm-eval's six tasks on their full sets for each of $BENCH6, all at once
+  # (one `qship run` each: a 270M-0.5B model leaves the GPU mostly idle; the reference pass
+  # is computed by each, the cost of not serializing them)
+  local t=$1 m=$2
+  for r in ${BENCH6:-fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8}; do
+    ( $Q run --model "$m" --recipe "$L/$r-bench6.yaml" --out "$S/art-$t-$r-b6" --cache-dir "$S/cache-$t-b6-$r" \
+        --device cuda --json > "$S/rows/$t-$r-bench6-run.json" 2> "$S/$t-$r-b6.log"
+      echo "== bench6 $t $r rc $?"
+      cp "$S/art-$t-$r-b6.report/eval.json" "$S/rows/$t-$r-bench6-eval.json" 2>/dev/null ) &
+  done
+  wait
+}
+
 speed() {  # alone on the GPU: Qwen's artifacts, then the 8B checkpoints (+ the mixed one)
   local ref c=""
   ref=$(python3 -c "import json;print(json.load(open('$S/rows/qwen-fetch.json'))['path'])" 2>/dev/null)
@@ -168,6 +183,10 @@ waiter)
   sleep 2; tail -n 3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
   ;;
 run-gemma) link; quality gemma "$G" ;;
+run-bench6) link; bench6 gemma "$G" ;;
+start-bench6)  # after start-gemma (the GGUF joined): Gemma's formats on the six full sets
+  link; bg bench6 8-15
+  ;;
 run-qwen) link; quality qwen "$QG" ;;
 run-r8b) link; r8b ;;
 run-speed) link; speed ;;
@@ -175,7 +194,7 @@ collect)
   if [ "${WAIT:-0}" = 1 ]; then
     for j in ${JOBS:-speed}; do while [ ! -f "$S/$j.done" ]; do sleep 5; done; done
   fi
-  for j in gemma qwen r8b served speed; do
+  for j in gemma qwen r8b bench6 served speed; do
     echo "## $j $([ -f $S/$j.done ] && echo done)"; grep -E "^==|FAILED|Error" "$S/$j.log" 2>/dev/null | tail -12
   done
   for f in "$S"/*-served.log "$S"/gemma-*.log "$S"/qwen-*.log; do
