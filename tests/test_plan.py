@@ -58,6 +58,7 @@ def test_mixed_plan_assigns_every_linear(model, request):
         "strategy": "tensor",
         "dynamic": False,
         "query": False,
+        "skip_layers": [],
     }
     assert plan.attention_class is None  # no query scale: no attention config group
     assert plan.decoder_layers == [f"model.layers.{i}" for i in range(LAYERS)]

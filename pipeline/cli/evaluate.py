@@ -75,8 +75,10 @@ def evaluate_cmd(
         data, ov = prepare(ev, tok, ts, cache_dir=root, checksums_dir=pin_folder(checksums),
                            where=str(recipe))  # fmt: skip
     with log.stage("evaluate") as line:
+        # the recipe's 16-bit KV layers when it lists some, else the candidate's own
+        skip = tuple(r.kv_cache.skip_layers) if r.kv_cache and r.kv_cache.skip_layers else None
         opts = EvalOptions.of(ev, exact=exact, topk=topk or DEFAULT_TOPK, device=device,
-                              dtype=dtype, offload=offload)  # fmt: skip
+                              dtype=dtype, offload=offload, kv_skip_layers=skip)  # fmt: skip
         report = evaluate(model_ref(reference), model_ref(candidate), heldout_ids=ts.heldout_ids,
                           cache_dir=root, options=opts, data_dir=data, overlap=ov,
                           corpus=ts.info)  # fmt: skip

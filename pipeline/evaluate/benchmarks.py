@@ -118,18 +118,22 @@ def _primary(task: str, sample: dict) -> str | None:
 
 
 def _served_model(spec: dict) -> Any:
-    """lm-eval's HF model around qship's loader with vLLM's Linear numerics (W8A8, W4A8),
-    so the benchmarks score what vLLM serves, as the KL does."""
+    """lm-eval's HF model around qship's loader with vLLM's Linear numerics (W8A8, W4A8)
+    and the layers whose KV cache is served 16-bit, so the benchmarks score what vLLM
+    serves, as the KL does."""
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
     from ..model.loading import load_model
+    from ..records.checkpoint import kv_skip_layers
     from .numerics import serve_linears
+    from .scoring import skip_kv_layers
 
     path = Path(spec["model_dir"])
     dtype = None if spec["dtype"] == "auto" else spec["dtype"]
     m = load_model(path, device=spec["device"], dtype=dtype)
     serve_linears(m)
+    skip_kv_layers(m, kv_skip_layers(path))
     return HFLM(pretrained=m, tokenizer=AutoTokenizer.from_pretrained(str(path)),
                 batch_size=spec["batch_size"])  # fmt: skip
 
@@ -139,6 +143,15 @@ def _quantizes_activations(model_dir: Path) -> bool:
 
     try:
         return quantizes_activations(model_dir)
+    except (OSError, ValueError):
+        return False
+
+
+def _kv_skips(model_dir: Path) -> bool:
+    from ..records.checkpoint import kv_skip_layers
+
+    try:
+        return bool(kv_skip_layers(model_dir))
     except (OSError, ValueError):
         return False
 
@@ -159,7 +172,7 @@ def _worker(spec: dict) -> None:
         # a model that does not fit the GPU: lm-eval's accelerate placement (what fits on the
         # GPU, the rest in host memory, then files)
         args += f",parallelize=True,offload_folder={work / 'offload'}"
-    elif _quantizes_activations(Path(spec["model_dir"])):
+    elif _quantizes_activations(Path(spec["model_dir"])) or _kv_skips(Path(spec["model_dir"])):
         model, args = _served_model(spec), ""
     r = lm_eval.simple_evaluate(
         model=model,

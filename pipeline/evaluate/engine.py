@@ -29,6 +29,7 @@ from ..errors import StageError, UsageError
 from ..model.devices import default_device
 from ..model.files import hash_model_dir
 from ..model.loading import load_model
+from ..records.checkpoint import kv_skip_layers
 from ..records.evaluation import (
     Benchmarks,
     CandidateRef,
@@ -50,6 +51,7 @@ from .scoring import (
     kv_quantization,
     kv_scheme,
     score_against_reference,
+    skip_kv_layers,
     sync,
 )
 from .served import Capture
@@ -92,6 +94,8 @@ def evaluate(
     ids = heldout_ids.long().cpu()
     scheme = kv_scheme(candidate.path)
     do_kv_off = o.kv_off and scheme is not None
+    # layers served with a 16-bit KV cache (the recipe's kv_cache.skip_layers)
+    skip = o.kv_skip_layers if o.kv_skip_layers is not None else kv_skip_layers(candidate.path)
     timings: dict[str, float] = {}
 
     def load(p: Path) -> Any:
@@ -107,6 +111,7 @@ def evaluate(
         ref_model, cand_model = load(reference.path), load(candidate.path)
         n_linear = serve_linears(cand_model)
         timings["load_s"] = time.perf_counter() - t0
+        skip_kv_layers(cand_model, skip)
         hooked = kv_modules(cand_model)
         n_hooked = len(hooked)
         t0 = time.perf_counter()
@@ -127,6 +132,7 @@ def evaluate(
         cand_model = load(candidate.path)
         n_linear = serve_linears(cand_model)
         timings["load_s"] = time.perf_counter() - t0
+        skip_kv_layers(cand_model, skip)
         hooked = kv_modules(cand_model)
         n_hooked = len(hooked)
         t0 = time.perf_counter()
@@ -142,7 +148,7 @@ def evaluate(
         sync(device)
         timings["candidate_s"] = time.perf_counter() - t0
         del cand_model
-    if scheme is not None and n_hooked == 0:
+    if scheme is not None and n_hooked == 0 and not skip:  # (every layer 16-bit: none left)
         raise StageError(
             "candidate config has a kv_cache_scheme but no attention module carries the "
             "compressed-tensors KV hook after loading: the FP8 KV cache would not be in the loop",
@@ -198,6 +204,7 @@ def evaluate(
             device=device,
             dtype=dtype or "auto",
             kv_cache="on (as deployed)" if scheme else "none in candidate",
+            kv_16bit_layers=list(skip),
             attention=numerics,
             weights_only_pass=do_kv_off,
         ),  # fmt: skip

@@ -44,6 +44,11 @@ def unavailable(name: str) -> str | None:
 
 
 def make(name: str, model_dir: Path, **opts: Any) -> Any:
+    """The engine `name` on `model_dir`, serving the layers its recipe keeps 16-bit
+    (kv_cache.skip_layers) with a 16-bit KV cache, as deployed."""
+    from ..records.checkpoint import kv_skip_layers
+
+    opts.setdefault("kv_skip_layers", kv_skip_layers(Path(model_dir)))
     if name == "transformers":
         return TransformersEngine(model_dir, **opts)
     if name == "vllm":
@@ -56,13 +61,15 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model_dir: Path, *, kv_cache_dtype: str = "auto", device: str | None = None,
-                 attention: str = "kv-only", max_len: int = 0, batch_size: int = 4) -> None:  # fmt: skip
+                 attention: str = "kv-only", max_len: int = 0, batch_size: int = 4,
+                 kv_skip_layers: tuple[int, ...] = ()) -> None:  # fmt: skip
         from ..model.devices import default_device
         from ..model.loading import load_model
-        from .scoring import kv_modules
+        from .scoring import kv_modules, skip_kv_layers
 
         self.device = device or default_device()
         self.model = load_model(Path(model_dir), device=self.device, dtype=None)
+        skip_kv_layers(self.model, kv_skip_layers)
         self.hooked = kv_modules(self.model)
         self.kv_on = kv_cache_dtype != "bfloat16"
         self.attention = attention if self.kv_on else "kv-only"
@@ -165,7 +172,7 @@ class VllmEngine:
 
     def __init__(self, model_dir: Path, *, kv_cache_dtype: str = "auto", device: str | None = None,
                  attention: str = "", max_len: int = 0, served_topk: int = 256,
-                 eager: bool = False) -> None:  # fmt: skip
+                 eager: bool = False, kv_skip_layers: tuple[int, ...] = ()) -> None:  # fmt: skip
         reason = unavailable("vllm")
         if reason is not None:
             raise UsageError(
@@ -177,9 +184,13 @@ class VllmEngine:
             )
         self.config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         self.args = {"model": str(Path(model_dir).resolve()), "kv_cache_dtype": kv_cache_dtype,
-                     "served_topk": served_topk, "eager": eager}  # fmt: skip
+                     "served_topk": served_topk, "eager": eager,
+                     # vLLM's --kv-cache-dtype-skip-layers: these layers' KV cache 16-bit
+                     "kv_cache_dtype_skip_layers": [str(i) for i in kv_skip_layers]}  # fmt: skip
         self.name = "vllm"
         self.facts: dict[str, str] = {"kv_cache_dtype": kv_cache_dtype, "enforce_eager": str(eager)}
+        if kv_skip_layers:
+            self.facts["kv_cache_dtype_skip_layers"] = ",".join(map(str, kv_skip_layers))
 
     def logprobs_at(
         self, ids: torch.Tensor, want: torch.Tensor
@@ -208,7 +219,9 @@ class VllmEngine:
             sets = [v for k, v in tensors.items() if k.startswith("ids")]
             seq_len = max(int(x.shape[1]) for x in sets) + max([1, *(args.get("generate") or [])])
             args = {**args, "kv_cache_memory_bytes": kv_cache_bytes(
-                self.config, str(args["kv_cache_dtype"]), max(int(x.shape[0]) for x in sets),
+                # 16-bit layers beside FP8 ones: sized as if all were 16-bit
+                self.config, "auto" if args["kv_cache_dtype_skip_layers"] else str(args["kv_cache_dtype"]),
+                max(int(x.shape[0]) for x in sets),
                 seq_len)}  # fmt: skip
             (work / "args.json").write_text(json.dumps(args))
             save_file({k: v.int().contiguous() for k, v in tensors.items()},

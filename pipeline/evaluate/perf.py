@@ -200,7 +200,7 @@ class VllmBench:
             logf = Path(tmp) / "server.log"
             server = self._cli("serve", model, "--port", str(port), "--seed", str(cfg.seed),
                                "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
-                               "--max-model-len", str(max_len))  # fmt: skip
+                               "--max-model-len", str(max_len), *_skip_args(Path(model_dir)))  # fmt: skip
             with open(logf, "wb") as fh:
                 proc = subprocess.Popen(server, stdout=fh, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # fmt: skip
@@ -304,3 +304,12 @@ def runner_for(engine: str) -> Callable[[], BenchRunner]:
         raise UsageError(f"served performance is measured with vLLM, not {engine}",
                          path="serve.engine", hint="set serve.engine: vllm")  # fmt: skip
     return VllmBench
+
+
+def _skip_args(model_dir: Path) -> list[str]:
+    """vLLM's flag for the layers the recipe serves with a 16-bit KV cache (kv_cache.
+    skip_layers), as a deployment must pass it: vLLM does not read it from the checkpoint."""
+    from ..records.checkpoint import kv_skip_layers
+
+    skip = kv_skip_layers(model_dir)
+    return ["--kv-cache-dtype-skip-layers", *map(str, skip)] if skip else []

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .. import log
+from ..errors import UsageError
 from . import kl_stats
 
 KV_ATTR = "kv_cache"  # compressed_tensors.modeling.kvcache.KV_CACHE_ATTR
@@ -43,14 +44,40 @@ def quantizes_activations(model_dir: Path) -> bool:
     return any(isinstance(g, dict) and g.get("input_activations") for g in groups.values())
 
 
+SKIPPED = "_qship_kv_16bit"  # set on an attention module whose KV cache is served 16-bit
+
+
 def kv_modules(model: Any) -> list[torch.nn.Module]:
-    """Attention modules carrying compressed-tensors' KV-cache quantization hook."""
+    """Attention modules carrying compressed-tensors' KV-cache quantization hook (not those
+    of skip_kv_layers)."""
     return [
         m
         for m in model.modules()
         if hasattr(m, KV_ATTR)
         and getattr(getattr(m, "quantization_scheme", None), "input_activations", None) is not None
+        and not getattr(m, SKIPPED, False)
     ]
+
+
+def skip_kv_layers(model: Any, layers: tuple[int, ...]) -> int:
+    """Leave the KV cache (and the query) of these decoder layers unrounded, as vLLM serves
+    them with --kv-cache-dtype-skip-layers: their hooks off for good, out of kv_modules.
+    -> how many modules were switched off (exit 2 when a layer has none)."""
+    import re
+
+    want, found = set(layers), set()
+    hooked = {id(m) for m in kv_modules(model)}
+    for name, m in model.named_modules():
+        hit = re.search(r"(?:^|\.)layers\.(\d+)\.[^.]+$", name)
+        if hit and int(hit.group(1)) in want and id(m) in hooked:
+            m.quantization_enabled = False
+            setattr(m, SKIPPED, True)
+            found.add(int(hit.group(1)))
+    if want - found:
+        raise UsageError(f"kv_cache.skip_layers: layer {min(want - found)} has no FP8 KV cache "
+                         "in this checkpoint", path="kv_cache.skip_layers",
+                         hint="list decoder layers of this model")  # fmt: skip
+    return len(found)
 
 
 @contextlib.contextmanager

@@ -74,7 +74,8 @@ def llm_kwargs(args: dict, max_model_len: int, total_memory: int) -> dict:
     return {"model": args["model"], "dtype": "auto", "kv_cache_dtype": args["kv_cache_dtype"],
             "max_logprobs": int(args["served_topk"]), "enforce_eager": bool(args["eager"]),
             "seed": 0, "max_model_len": max_model_len, "kv_cache_memory_bytes": kv,
-            "gpu_memory_utilization": round(util, 4)}  # fmt: skip
+            "gpu_memory_utilization": round(util, 4),
+            "kv_cache_dtype_skip_layers": list(args.get("kv_cache_dtype_skip_layers") or [])}  # fmt: skip
 
 
 def main(work: Path) -> None:

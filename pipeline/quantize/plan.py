@@ -147,6 +147,17 @@ def _scales_per_layer(recipe: Recipe, cfg: Any) -> int:
     return 2 * kv_heads + (heads if kv.query else 0)
 
 
+def check_skip_layers(recipe: Recipe, n_layers: int) -> None:
+    """Exit 2 for a kv_cache.skip_layers index the model does not have (vLLM would ignore
+    it silently and serve that layer's neighbours as measured with FP8)."""
+    kv = recipe.kv_cache
+    bad = [i for i in (kv.skip_layers if kv else []) if i >= n_layers]
+    if bad:
+        raise RecipeError(f"kv_cache.skip_layers lists layer {bad[0]}, but the model has "
+                          f"{n_layers} decoder layers (0-{n_layers - 1})", path=recipe.path,
+                          hint=f"list indices below {n_layers}")  # fmt: skip
+
+
 def check_reloadable(modules: list[ModulePlan], model_type: str, recipe: Recipe) -> None:
     """Exit 2 before compute for a family whose checkpoint the pinned transformers cannot
     load back (RELOAD_FAULTS)."""
@@ -202,6 +213,7 @@ def build_plan(model: Any, recipe: Recipe, structure: Structure | None = None) -
         if id(p) not in linear_w or (emb_w is not None and p is emb_w):
             other_bytes += p.numel() * dtype_bits // 8
     attention = [lp for lp in structure.layers if lp.attention]
+    check_skip_layers(recipe, len(structure.layers))
     kv_bytes = len(attention) * _scales_per_layer(recipe, cfg_text) * dtype_bits // 8
     attn_class = (type(model.get_submodule(attention[0].attention)).__name__
                   if attention and recipe.kv_cache and recipe.kv_cache.query else None)  # fmt: skip

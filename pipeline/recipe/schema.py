@@ -10,7 +10,8 @@ Top-level keys (all others are an error):
                             observer, on_indivisible, activations} (formats.py),
                    options: {...}}]
     others       error | keep      -- a Linear no group claims
-    kv_cache     {scheme: fp8_e4m3, strategy: tensor|attn_head, dynamic: false, query} | null
+    kv_cache     {scheme: fp8_e4m3, strategy: tensor|attn_head, dynamic: false, query,
+                  skip_layers: [i, ...]} | null
     calibration  {source, num_samples, seq_len, batch_size, seed, all_experts,
                   min_expert_tokens}
     evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit, task_batch_size,
@@ -167,12 +168,25 @@ class Group(_Strict):
 class KVCache(_Strict):
     """FP8 KV cache with calibrated scales: one per tensor, or one per KV head (attn_head,
     which vLLM 0.26 loads since its PR 30141). query: calibrate the query's FP8 scale too
-    (attention quantization; vLLM serves FP8 attention with q_scale 1.0 otherwise)."""
+    (attention quantization; vLLM serves FP8 attention with q_scale 1.0 otherwise).
+    skip_layers: decoder layers whose KV cache (and query) stay 16-bit, as vLLM serves them
+    with `--kv-cache-dtype-skip-layers`; compressed-tensors still calibrates and stores their
+    scales (it hooks every attention module), which vLLM then does not use."""
 
     scheme: Literal["fp8_e4m3"] = "fp8_e4m3"
     strategy: Literal["tensor", "attn_head"] = "tensor"
     dynamic: Literal[False] = False
     query: bool = False
+    skip_layers: list[int] = Field(default_factory=list)
+
+    @field_validator("skip_layers")
+    @classmethod
+    def _skip_layers(cls, v: list[int]) -> list[int]:
+        if any(i < 0 for i in v):
+            raise ValueError("decoder layer indices start at 0")
+        if len(set(v)) != len(v):
+            raise ValueError("a layer is listed twice")
+        return sorted(v)
 
 
 class CalibrationConfig(_Strict):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
+from ..recipe import load_recipe
 from .base import SCHEMA_VERSION, Record
 from .plan import Plan
 from .tokens import TokenSetInfo
@@ -222,3 +223,19 @@ class QuantizedCheckpoint(Record):
             f"{c.bits_per_weight_quantized:.3f} bits/weight, checkpoint {c.bytes / 1e6:.2f} MB "
             f"(expected {c.expected_bytes / 1e6:.2f} MB); config, tensor and reload checks passed"
         )
+
+
+def kv_skip_layers(folder: Path) -> tuple[int, ...]:
+    """The decoder layers whose KV cache the checkpoint or artifact in `folder` serves in
+    16 bits (its recipe's kv_cache.skip_layers): from the quantize record beside a
+    checkpoint, else from an artifact's recipe.yaml (an artifact has provenance.json; a bare
+    checkpoint's recipe.yaml is llm-compressor's own); () when neither says."""
+    folder = Path(folder)
+    rec = QuantizedCheckpoint.read(folder)
+    if rec is not None:
+        kv = rec.plan.kv_cache
+    elif (folder / "recipe.yaml").is_file() and (folder / "provenance.json").is_file():
+        kv = load_recipe(folder / "recipe.yaml").kv_cache
+    else:
+        kv = None
+    return tuple(kv.skip_layers) if kv else ()

@@ -196,6 +196,9 @@ class EvalOptions(Record):
     """The serving engine's attention numerics to simulate with an FP8 KV cache."""
     measured_topk: int = 32
     """Top-k log-probs of both models kept for the served check (0: none)."""
+    kv_skip_layers: tuple[int, ...] | None = None
+    """Decoder layers whose KV cache is served 16-bit (None: what the candidate's recipe or
+    quantize record says)."""
     offload: str = "none"
     """Where the weights live: none (the device), cpu or disk (host memory)."""
 
@@ -260,6 +263,8 @@ class EvalSettings(Record):
     attention: str = "kv-only"
     """Attention numerics with the FP8 KV cache: `vllm` (K, V and the query rounded to FP8,
     as vLLM serves it on CUDA), `kv-only` (K and V), or no FP8 KV cache."""
+    kv_16bit_layers: list[int] = []
+    """Decoder layers whose K, V and query stayed 16-bit (kv_cache.skip_layers)."""
 
 
 class KVShare(Record):

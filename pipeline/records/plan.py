@@ -223,6 +223,8 @@ class Plan(Record):
         kv = (f"KV cache {self.kv_cache.scheme} per "
               f"{'KV head' if self.kv_cache.strategy == 'attn_head' else 'tensor'}"
               f"{', query scale calibrated' if self.kv_cache.query else ''}"
+              + (f", 16-bit on layers {', '.join(map(str, self.kv_cache.skip_layers))} (vLLM "
+                 "--kv-cache-dtype-skip-layers)" if self.kv_cache.skip_layers else "")
               if self.kv_cache else "KV cache 16-bit")  # fmt: skip
         maps = f"; AWQ mappings {applied} applied, {len(self.mappings) - applied} skipped"
         lines.append(f"  {kv}" + (maps if self.mappings else ""))
