@@ -129,7 +129,9 @@ bench6() {  # TAG GGUF: lm-eval's six tasks on their full sets for each of $BENC
   wait
 }
 
-speed() {  # alone on the GPU: Qwen's artifacts, then the 8B checkpoints (+ the mixed one)
+speed() {  # alone on the GPU: Qwen's artifacts, then the 8B checkpoints (+ the mixed one);
+  # PERF=0: none (a short lease)
+  [ "${PERF:-1}" = 1 ] || return 0
   local ref c=""
   ref=$(python3 -c "import json;print(json.load(open('$S/rows/qwen-fetch.json'))['path'])" 2>/dev/null)
   for r in w4a16-gptq fp8-dynamic w8a8-int8-sq w4a8-fp8 fp8-block; do
