@@ -99,3 +99,20 @@ def test_the_engine_hands_the_child_the_cache_for_its_rows(tmp_path, monkeypatch
     got = eng.tail_top1_sets(sets)
     assert [g.shape for g in got] == [(8, 6), (8, 6)] and seen[-1]["generate"] == [6, 6]
     assert seen[-1]["kv_cache_memory_bytes"] == engines.kv_cache_bytes(GEMMA, "fp8", 8, 32768)
+
+
+def test_inspect_counts_the_kv_cache_dtype_of_every_attention_layer():
+    """A skipped layer serves 16-bit ('auto'), the others FP8: the facts say how many of
+    each, and show the scales of the first FP8 layer, not of a skipped one."""
+    from pipeline.evaluate.vllm_child import inspect
+
+    class Attn(torch.nn.Module):
+        def __init__(self, kv: str, k_scale: float):
+            super().__init__()
+            self.kv_cache_dtype, self.impl = kv, object()
+            self._k_scale = torch.tensor(k_scale)
+
+    model = torch.nn.ModuleList([Attn("auto", 1.0), Attn("fp8", 0.25), Attn("fp8", 0.5)])
+    facts = inspect(model)
+    assert facts["attention_kv_cache_dtypes"] == {"auto": 1, "fp8": 2}
+    assert facts["attention"]["kv_cache_dtype"] == "fp8" and facts["attention"]["k_scale"] == 0.25

@@ -44,7 +44,8 @@ def inspect(model) -> dict:
     import torch
 
     kernels: dict[str, int] = {}
-    attn: dict = {}
+    attn: dict = {}  # the first attention layer with a quantized KV cache, else the first
+    kv_dtypes: dict[str, int] = {}  # attention layers per KV-cache dtype
     for _, mod in model.named_modules():
         scheme = getattr(mod, "scheme", None)
         if scheme is not None:
@@ -54,13 +55,16 @@ def inspect(model) -> dict:
                          "w8a8_block_fp8_linear", "linear_op") if hasattr(scheme, a)), None)  # fmt: skip
             key = f"{type(scheme).__name__}/{type(kern).__name__}"
             kernels[key] = kernels.get(key, 0) + 1
-        if hasattr(mod, "kv_cache_dtype") and hasattr(mod, "impl") and not attn:
-            attn = {"impl": type(mod.impl).__name__, "kv_cache_dtype": str(mod.kv_cache_dtype)}
-            for n in ("q", "k", "v"):
-                v = getattr(mod, f"_{n}_scale", None)
-                if isinstance(v, torch.Tensor) and v.numel() == 1:
-                    attn[f"{n}_scale"] = float(v.float().item())
-    return {"linear_kernels": kernels, "attention": attn}
+        if hasattr(mod, "kv_cache_dtype") and hasattr(mod, "impl"):
+            kv = str(mod.kv_cache_dtype)  # per layer: --kv-cache-dtype-skip-layers shows here
+            kv_dtypes[kv] = kv_dtypes.get(kv, 0) + 1
+            if not attn or (attn["kv_cache_dtype"] == "auto" and kv != "auto"):
+                attn = {"impl": type(mod.impl).__name__, "kv_cache_dtype": kv}
+                for n in ("q", "k", "v"):
+                    v = getattr(mod, f"_{n}_scale", None)
+                    if isinstance(v, torch.Tensor) and v.numel() == 1:
+                        attn[f"{n}_scale"] = float(v.float().item())
+    return {"linear_kernels": kernels, "attention": attn, "attention_kv_cache_dtypes": kv_dtypes}
 
 
 def llm_kwargs(args: dict, max_model_len: int, total_memory: int) -> dict:

@@ -15,9 +15,10 @@ With --offload cpu|disk the weights stay off the GPU and one decoder layer (or t
 embeddings / lm_head) is there at a time: W above becomes 2·L, L the largest such unit's
 bytes (it and its quantized copy); each layer's weights cross to the GPU and back, + T
 seconds per byte of layer (time); the host holds W + Q + R with cpu (8B dims on an H100:
-23.8 GB predicted, 21.5 GB anonymous measured, in the reload check -- before the check
-stopped pinning and the calibrated model's cached page-locked blocks were released, 40.6
-measured, 2·W + 2·Q) or only L + R with disk.
+23.8 GB predicted; measured 20.1 GB anonymous, the calibration's peak, since the reload
+check decompresses one module at a time (7.6 GB; 21.5 when it decompressed the whole
+model, 40.6 before it stopped pinning and the cached page-locked blocks were released):
+the Q term is headroom) or only L + R with disk.
 `auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
 fits free host memory, else disk.
 
