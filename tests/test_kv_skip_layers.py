@@ -105,11 +105,14 @@ def test_engines_serve_those_layers_16bit(skipped, tmp_path, monkeypatch):
 
 def test_the_model_card_says_how_to_serve_them():
     from pipeline.artifact.model_card import _vllm_use
+    from pipeline.recipe import KVCache
 
-    text = "\n".join(_vllm_use(True, [0, 23]))
+    text = "\n".join(_vllm_use(KVCache(strategy="attn_head", query=True, skip_layers=[0, 23])))
     assert "--kv-cache-dtype-skip-layers 0 23" in text
     assert "kv_cache_dtype_skip_layers=['0', '23']" in text
-    assert "skip" not in "\n".join(_vllm_use(True, []))
+    assert "(per KV head)" in text and "(its calibrated scale)" in text
+    plain = "\n".join(_vllm_use(KVCache()))
+    assert "skip" not in plain and "(per tensor)" in plain and "(scale 1.0)" in plain
 
 
 def test_a_served_check_without_the_skip_differs(skipped, tiny_llama):

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ..recipe import Recipe
+from ..recipe import KVCache, Recipe
 from ..records.evaluation import EvalFile, TaskResult
 from ..records.snapshot import Snapshot
 
@@ -205,7 +205,7 @@ def render(
         'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")',
         "```",
         "",
-        *(_vllm_use(kv is not None, recipe.kv_cache.skip_layers if recipe.kv_cache else [])),
+        *_vllm_use((recipe.kv_cache or KVCache()) if kv is not None else None),
         *_served(evaluation),
         *_perf(evaluation),
         "## Integrity",
@@ -226,28 +226,31 @@ def render(
     return "\n".join(lines)
 
 
-def _vllm_use(fp8_kv: bool, skip: list[int]) -> list[str]:
+def _vllm_use(kv: KVCache | None) -> list[str]:
     """How vLLM serves this checkpoint: `kv_cache_dtype="auto"` takes the checkpoint's
-    kv_cache_scheme, i.e. FP8 with the stored scales (and the query rounded to FP8 with
-    scale 1.0 on CUDA, which the evaluation above simulates); the layers the recipe keeps
-    16-bit need vLLM's skip flag, which it does not read from the checkpoint."""
-    if fp8_kv:
-        say = ("vLLM serves it with the FP8 KV cache and the stored per-tensor K/V scales: "
+    kv_cache_scheme, i.e. FP8 with the stored scales (and the query rounded to FP8 with its
+    calibrated scale, or 1.0, on CUDA, which the evaluation above simulates); the layers the
+    recipe keeps 16-bit need vLLM's skip flag, which it does not read from the checkpoint."""
+    args = ""
+    if kv is not None:
+        per = "per KV head" if kv.strategy == "attn_head" else "per tensor"
+        query = "its calibrated scale" if kv.query else "scale 1.0"
+        say = (f"vLLM serves it with the FP8 KV cache and the stored K/V scales ({per}): "
                '`kv_cache_dtype="auto"` (the default) takes the checkpoint\'s kv_cache_scheme; '
                '`kv_cache_dtype="bfloat16"` serves a 16-bit KV cache instead (not what was '
-               "measured). On CUDA vLLM also rounds the query to FP8 (scale 1.0); the KL above "
+               f"measured). On CUDA vLLM also rounds the query to FP8 ({query}); the KL above "
                "is measured with that rounding.")  # fmt: skip
+        if kv.skip_layers:
+            skip = kv.skip_layers
+            say += (f" Decoder layers {', '.join(map(str, skip))} were measured with a 16-bit "
+                    f"KV cache: serve with `--kv-cache-dtype-skip-layers "
+                    f"{' '.join(map(str, skip))}` (`vllm serve`) or `kv_cache_dtype_skip_layers` "
+                    "as below; without it those layers' KV cache is FP8, which was not "
+                    "measured.")  # fmt: skip
+            args = f", kv_cache_dtype_skip_layers={[str(i) for i in skip]!r}"
     else:
         say = ('vLLM serves it with a 16-bit KV cache: keep `kv_cache_dtype="auto"` (or '
                '"bfloat16"); this checkpoint stores no KV scales.')  # fmt: skip
-    args = ""
-    if fp8_kv and skip:
-        layers = ", ".join(map(str, skip))
-        say += (f" Decoder layers {layers} were measured with a 16-bit KV cache: serve with "
-                f"`--kv-cache-dtype-skip-layers {' '.join(map(str, skip))}` (`vllm serve`) or "
-                f"`kv_cache_dtype_skip_layers` as below; without it those layers' KV cache is "
-                "FP8, which was not measured.")  # fmt: skip
-        args = f", kv_cache_dtype_skip_layers={[str(i) for i in skip]!r}"
     return [say, "", "```python", "from vllm import LLM, SamplingParams", "",
             f'llm = LLM(model="PATH_OR_REPO"{args})  # kv_cache_dtype="auto"',
             'print(llm.generate(["Hello"], SamplingParams(max_tokens=32))[0].outputs[0].text)',
