@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,7 @@ def kv_modules(model: Any) -> list[torch.nn.Module]:
 def skip_kv_layers(model: Any, layers: tuple[int, ...]) -> int:
     """Leave the KV cache (and the query) of these decoder layers unrounded, as vLLM serves
     them with --kv-cache-dtype-skip-layers: their hooks off for good, out of kv_modules.
-    -> how many modules were switched off (exit 2 when a layer has none)."""
-    import re
-
+    -> how many layers were switched off (exit 2 when a listed layer has no KV hook)."""
     want, found = set(layers), set()
     hooked = {id(m) for m in kv_modules(model)}
     for name, m in model.named_modules():

@@ -148,8 +148,8 @@ def _scales_per_layer(recipe: Recipe, cfg: Any) -> int:
 
 
 def check_skip_layers(recipe: Recipe, n_layers: int) -> None:
-    """Exit 2 for a kv_cache.skip_layers index the model does not have (vLLM would ignore
-    it silently and serve that layer's neighbours as measured with FP8)."""
+    """Exit 2 for a kv_cache.skip_layers index the model does not have: a typo there would
+    leave the layer meant to stay 16-bit at FP8."""
     kv = recipe.kv_cache
     bad = [i for i in (kv.skip_layers if kv else []) if i >= n_layers]
     if bad:
