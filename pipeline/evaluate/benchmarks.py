@@ -138,20 +138,14 @@ def _served_model(spec: dict) -> Any:
                 batch_size=spec["batch_size"])  # fmt: skip
 
 
-def _quantizes_activations(model_dir: Path) -> bool:
+def _served_numerics(model_dir: Path) -> bool:
+    """Whether the checkpoint computes otherwise as served than as transformers loads it:
+    its activations quantized (W8A8, W4A8) or layers with a 16-bit KV cache."""
+    from ..records.checkpoint import kv_skip_layers
     from .scoring import quantizes_activations
 
     try:
-        return quantizes_activations(model_dir)
-    except (OSError, ValueError):
-        return False
-
-
-def _kv_skips(model_dir: Path) -> bool:
-    from ..records.checkpoint import kv_skip_layers
-
-    try:
-        return bool(kv_skip_layers(model_dir))
+        return quantizes_activations(model_dir) or bool(kv_skip_layers(model_dir))
     except (OSError, ValueError):
         return False
 
@@ -172,7 +166,7 @@ def _worker(spec: dict) -> None:
         # a model that does not fit the GPU: lm-eval's accelerate placement (what fits on the
         # GPU, the rest in host memory, then files)
         args += f",parallelize=True,offload_folder={work / 'offload'}"
-    elif _quantizes_activations(Path(spec["model_dir"])) or _kv_skips(Path(spec["model_dir"])):
+    elif _served_numerics(Path(spec["model_dir"])):
         model, args = _served_model(spec), ""
     r = lm_eval.simple_evaluate(
         model=model,

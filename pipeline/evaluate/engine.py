@@ -103,15 +103,21 @@ def evaluate(
             p, device=device, dtype=dtype, offload="none" if offload == "none" else "cpu"
         )
 
+    def load_candidate() -> tuple[Any, int]:
+        """The candidate computing as served: vLLM's Linear numerics, the 16-bit KV layers.
+        -> (model, Linears changed)."""
+        m = load(candidate.path)
+        n = serve_linears(m)
+        skip_kv_layers(m, skip)
+        return m, n
+
     t_all = time.perf_counter()
     ref_entry = None
     measured = None
     if exact:
         t0 = time.perf_counter()
-        ref_model, cand_model = load(reference.path), load(candidate.path)
-        n_linear = serve_linears(cand_model)
+        ref_model, (cand_model, n_linear) = load(reference.path), load_candidate()
         timings["load_s"] = time.perf_counter() - t0
-        skip_kv_layers(cand_model, skip)
         hooked = kv_modules(cand_model)
         n_hooked = len(hooked)
         t0 = time.perf_counter()
@@ -129,10 +135,8 @@ def evaluate(
         timings["reference_s"] = time.perf_counter() - t0
         ref = ref_entry.load()
         t0 = time.perf_counter()
-        cand_model = load(candidate.path)
-        n_linear = serve_linears(cand_model)
+        cand_model, n_linear = load_candidate()
         timings["load_s"] = time.perf_counter() - t0
-        skip_kv_layers(cand_model, skip)
         hooked = kv_modules(cand_model)
         n_hooked = len(hooked)
         t0 = time.perf_counter()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,19 +63,23 @@ def skip_kv_layers(model: Any, layers: tuple[int, ...]) -> int:
     """Leave the KV cache (and the query) of these decoder layers unrounded, as vLLM serves
     them with --kv-cache-dtype-skip-layers: their hooks off for good, out of kv_modules.
     -> how many layers were switched off (exit 2 when a listed layer has no KV hook)."""
-    want, found = set(layers), set()
+    if not layers:
+        return 0
+    from ..model.roles import decoder_layer_list
+
+    found = decoder_layer_list(model)
+    blocks = list(found[1]) if found else []
     hooked = {id(m) for m in kv_modules(model)}
-    for name, m in model.named_modules():
-        hit = re.search(r"(?:^|\.)layers\.(\d+)\.[^.]+$", name)
-        if hit and int(hit.group(1)) in want and id(m) in hooked:
+    for i in layers:
+        mods = [m for m in blocks[i].modules() if id(m) in hooked] if i < len(blocks) else []
+        if not mods:
+            raise UsageError(f"kv_cache.skip_layers: layer {i} has no FP8 KV cache in this "
+                             "checkpoint", path="kv_cache.skip_layers",
+                             hint="list decoder layers of this model")  # fmt: skip
+        for m in mods:
             m.quantization_enabled = False
             setattr(m, SKIPPED, True)
-            found.add(int(hit.group(1)))
-    if want - found:
-        raise UsageError(f"kv_cache.skip_layers: layer {min(want - found)} has no FP8 KV cache "
-                         "in this checkpoint", path="kv_cache.skip_layers",
-                         hint="list decoder layers of this model")  # fmt: skip
-    return len(found)
+    return len(layers)
 
 
 @contextlib.contextmanager
