@@ -5,42 +5,24 @@ none -- the evidence for a recipe's kv_cache.skip_layers (issue 31).
     python bench/kv_layer_share.py REFERENCE CANDIDATE --sequences 4 --out kv_layers.json
 
 REFERENCE is the 16-bit model folder, CANDIDATE a quantized checkpoint with an FP8 KV cache.
-Text: the last 60 documents of the exported corpus (.qship-gpu/english.jsonl, the same Lee
-news text qship calibrates on), cut into rows of 512 tokens; full-vocabulary KL on the CPU.
+Text and KL: bench/share_common.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
-from transformers import AutoTokenizer
+from share_common import arguments, reference_and_candidate
 
 from pipeline.evaluate import kl_stats
 from pipeline.evaluate.numerics import served_attention
 from pipeline.evaluate.scoring import forward_logits, kv_modules
-from pipeline.model.loading import load_model
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("reference", type=Path)
-    ap.add_argument("candidate", type=Path)
-    ap.add_argument("--sequences", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--corpus", type=Path, default=Path(".qship-gpu/english.jsonl"))
-    ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args()
-    tok = AutoTokenizer.from_pretrained(a.reference)
-    docs = [json.loads(line)["text"] for line in a.corpus.open(encoding="utf-8")]
-    ids = tok("\n\n".join(docs[-60:]), return_tensors="pt")["input_ids"][0]
-    ids = ids[: a.sequences * a.seq_len].view(a.sequences, a.seq_len)
-    ref = load_model(a.reference, device="cpu")
-    ref_logits, nxt = forward_logits(ref, ids)
-    del ref
-    cand = load_model(a.candidate, device="cpu")
+    a = arguments(__doc__)
+    ids, ref_logits, nxt, cand = reference_and_candidate(a)
     mods = kv_modules(cand)
 
     def kl(on: set[int]) -> float:
