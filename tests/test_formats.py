@@ -22,7 +22,7 @@ from pipeline.quantize.plan import build_plan, module_scheme
 from pipeline.recipe import PRESETS, Scheme, load_recipe, parse_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-NEW = ["fp8-dynamic", "fp8-block", "w8a8-int8-sq", "w4a8-fp8"]
+NEW = ["fp8-dynamic", "fp8-dynamic-gptq", "fp8-block", "w8a8-int8-sq", "w4a8-fp8"]
 
 
 def _recipe(tmp_path: Path, base: str, **changes) -> Path:
@@ -208,7 +208,8 @@ def written(tmp_path_factory, tiny_llama):
     return res
 
 
-FORMATS = {"fp8-dynamic": ("float-quantized", "F8_E4M3"), "fp8-block": ("float-quantized", "F8_E4M3"),
+FORMATS = {"fp8-dynamic": ("float-quantized", "F8_E4M3"),
+           "fp8-dynamic-gptq": ("float-quantized", "F8_E4M3"), "fp8-block": ("float-quantized", "F8_E4M3"),
            "w8a8-int8-sq": ("int-quantized", "I8"), "w4a8-fp8": ("pack-quantized", "I32")}  # fmt: skip
 
 
@@ -229,7 +230,7 @@ def test_each_format_is_written_checked_and_reloads(written, name):
         assert f.get_slice(key).get_dtype() == dtype
     insp = inspect_checkpoint(out)
     labels = {s.format_label() for s in insp.schemes.values() if s}
-    assert labels == {{"fp8-dynamic": "W8A8-FP8", "fp8-block": "W8A8-FP8",
+    assert labels == {{"fp8-dynamic": "W8A8-FP8", "fp8-dynamic-gptq": "W8A8-FP8", "fp8-block": "W8A8-FP8",
                        "w8a8-int8-sq": "W8A8-INT8", "w4a8-fp8": "W4A8-FP8"}[name]}  # fmt: skip
     m = load_model(out, device="cpu")
     assert m(torch.tensor([[1, 2, 3, 4]])).logits.isfinite().all()
@@ -242,6 +243,28 @@ def test_quality_orders_as_the_bits_say(written):
           ["kl"]["mean"] for n in NEW}  # fmt: skip
     assert kl["w8a8-int8-sq"] < kl["w4a8-fp8"] and kl["fp8-dynamic"] < kl["w4a8-fp8"]
     assert max(kl["fp8-dynamic"], kl["fp8-block"], kl["w8a8-int8-sq"]) < 0.02
+
+
+def test_gptq_rounded_fp8_is_fp8_dynamics_checkpoint_with_less_error(written):
+    """Same quantization_config (so vLLM serves both with the same kernels), other weights,
+    and less KL than rounding to nearest."""
+    from safetensors import safe_open
+
+    def qc(name):  # GPTQ records its column order (static: nothing stored, nothing to undo)
+        c = json.loads((written[name][1] / "config.json").read_text())["quantization_config"]
+        for g in c["config_groups"].values():
+            assert g["weights"].pop("actorder") in (None, "static")
+        return {k: v for k, v in c.items() if k not in ("version", "global_compression_ratio")}
+
+    def kl(name):
+        return json.loads((written[name][1] / "eval.json").read_text())["metrics"]["kl"]["mean"]
+
+    assert qc("fp8-dynamic-gptq") == qc("fp8-dynamic")
+    key = "model.layers.0.mlp.down_proj.weight"
+    with safe_open(str(written["fp8-dynamic"][1] / "model.safetensors"), "pt") as a, \
+         safe_open(str(written["fp8-dynamic-gptq"][1] / "model.safetensors"), "pt") as b:  # fmt: skip
+        assert not torch.equal(a.get_tensor(key).float(), b.get_tensor(key).float())
+    assert kl("fp8-dynamic-gptq") < kl("fp8-dynamic")
 
 
 def test_the_validator_catches_a_wrong_fp8_scale(written, tmp_path):

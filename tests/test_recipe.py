@@ -30,6 +30,7 @@ EXPECTED = {
     "gptq-w4a-mse",
     "autoround-w4a",
     "fp8-dynamic",
+    "fp8-dynamic-gptq",
     "fp8-block",
     "w8a8-int8-sq",
     "w4a8-fp8",
