@@ -2,7 +2,8 @@
 # H200 session for the activation formats (issue 29) and served speed (issue 30). Inputs
 # travel as in frontier_session.sh: qship's wheels (.whl), the corpus and recipes (.qship-gpu,
 # `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/formats/*.yaml
-# bench/recipes/perf/*.yaml`), the Gemma GGUF in .devstash2..6, the Qwen2.5-Coder-0.5B GGUF
+# bench/recipes/perf/*.yaml`), the benchmark data for bench6 (.benchcache: this machine's
+# verified `benchmark-data` cache entry, 23 MB), the Gemma GGUF in .devstash2..6, the Qwen2.5-Coder-0.5B GGUF
 # in .devstash-q0..9, vLLM 0.26 (pack_vllm.sh) in .devstash7 (p1: vllm_C.tar.xz, 56 MB, over
 # a call's 64 MiB with the tree: `split -n 2 -d` into .devstash7a/.devstash7b as vllmC.split00/01,
 # joined by `stage`) and .devstash8 (p2), and
