@@ -22,6 +22,7 @@ from share_common import arguments, reference_and_candidate
 from pipeline.evaluate import kl_stats
 from pipeline.evaluate.numerics import serve_linears
 from pipeline.evaluate.scoring import forward_logits
+from pipeline.model.roles import decoder_layer_list
 
 KINDS = {"qkv": r"\.(q|k|v)_proj$", "o": r"\.o_proj$", "gate_up": r"\.(gate|up)_proj$",
          "down": r"\.down_proj$"}  # fmt: skip
@@ -34,34 +35,32 @@ def main() -> None:
     )
     ids, ref_logits, nxt, cand = reference_and_candidate(a)
     serve_linears(cand)
-    # each served Linear's pre-hooks (the activation rounding), to switch on and off
-    hooks = {n: dict(m._forward_pre_hooks) for n, m in cand.named_modules()
-             if getattr(m, "_qship_served", False)}  # fmt: skip
-    mods = dict(cand.named_modules())
+    _, blocks = decoder_layer_list(cand)  # type: ignore[misc]
+    layer_of = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
+    # each served Linear: (name, decoder layer, module, its pre-hooks: the activation rounding)
+    served = [(n, layer_of[id(m)], m, dict(m._forward_pre_hooks)) for n, m in cand.named_modules()
+              if getattr(m, "_qship_served", False)]  # fmt: skip
 
     def kl(on) -> float:
-        for n, h in hooks.items():
-            mods[n]._forward_pre_hooks.clear()
-            if on(n):
-                mods[n]._forward_pre_hooks.update(h)
+        for n, i, m, h in served:
+            m._forward_pre_hooks.clear()
+            if on(n, i):
+                m._forward_pre_hooks.update(h)
         logits, _ = forward_logits(cand, ids)
         return float(kl_stats.exact_token_stats_fast(ref_logits, logits, nxt)["kl"].mean())
 
-    def layer(n: str) -> int:
-        return int(re.search(r"\.layers\.(\d+)\.", n).group(1))  # type: ignore[union-attr]
-
     t0 = time.perf_counter()
-    every, none = kl(lambda n: True), kl(lambda n: False)
-    out = {"sequences": a.sequences, "seq_len": a.seq_len, "served_linears": len(hooks),
+    every, none = kl(lambda n, i: True), kl(lambda n, i: False)
+    out = {"sequences": a.sequences, "seq_len": a.seq_len, "served_linears": len(served),
            "kl_all": every, "kl_weights_only": none, "added_by_kind": {},
            "added_by_layer": {}}  # fmt: skip
     print(f"activations rounded everywhere {every:.5f}, nowhere {none:.5f}", flush=True)
     for kind, rx in KINDS.items() if a.by != "layer" else ():
-        out["added_by_kind"][kind] = kl(lambda n, rx=rx: re.search(rx, n) is not None) - none
+        out["added_by_kind"][kind] = kl(lambda n, i, rx=rx: re.search(rx, n) is not None) - none
         print(f"{kind}: +{out['added_by_kind'][kind]:.5f}", flush=True)
-    for i in sorted({layer(n) for n in hooks}) if a.by != "kind" else ():
-        out["added_by_layer"][str(i)] = kl(lambda n, i=i: layer(n) == i) - none
-        print(f"layer {i}: +{out['added_by_layer'][str(i)]:.5f}", flush=True)
+    for j in sorted({i for _, i, _, _ in served}) if a.by != "kind" else ():
+        out["added_by_layer"][str(j)] = kl(lambda n, i, j=j: i == j) - none
+        print(f"layer {j}: +{out['added_by_layer'][str(j)]:.5f}", flush=True)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
 
