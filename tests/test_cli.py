@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_fetch_hub import REPO, hub, tiny_repo  # noqa: F401  (fixtures)
+
 QSHIP = str(Path(sys.executable).with_name("qship"))
 COMMANDS = ("run", "fetch", "plan", "quantize", "evaluate", "package", "verify", "publish",
             "compare", "sensitivity", "tune")  # fmt: skip
@@ -77,26 +79,32 @@ def test_global_flags_work_before_or_after_the_command(where, tiny_llama, rtn_re
     assert plan["recipe_name"] == "cli-rtn"
 
 
-def test_ctrl_c_exits_130_with_the_error_object(tiny_llama, rtn_recipe, tmp_path):
-    """SIGINT mid-run: exit 130 (not 0), one JSON object naming it, no artifact."""
-    out = tmp_path / "art"
+def test_ctrl_c_exits_130_with_the_error_object(hub, tiny_repo, rtn_recipe, tmp_path):  # noqa: F811
+    """SIGINT mid-run: exit 130 (not 0), one JSON object naming it, no artifact and no cache
+    entry. The run is stalled in its download (the Hub answers the weights after 10 min), so
+    it is still running when the signal comes however loaded the machine is."""
+    hub.fault("/cdn/", "stall", times=1, seconds=600.0)
+    out, cache = tmp_path / "art", tmp_path / "cache"
     p = subprocess.Popen(
-        [QSHIP, "run", "--model", str(tiny_llama), "--recipe", str(rtn_recipe), "--out",
-         str(out), "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--json"],
+        [QSHIP, "run", "--model", f"hf://{REPO}@main", "--recipe", str(rtn_recipe), "--out",
+         str(out), "--device", "cpu", "--cache-dir", str(cache), "--checksums",
+         str(tmp_path), "--json"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "QSHIP_NET_TIMEOUT": "900"},
     )  # fmt: skip
-    # the recipe stage's line is printed once the command runs (past imports and parsing)
     deadline = time.monotonic() + 120
-    seen = ""
-    assert p.stderr is not None
-    while "recipe" not in seen and time.monotonic() < deadline:
-        seen += p.stderr.readline()
+    while hub.count("GET", "/cdn/") == 0 and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert hub.count("GET", "/cdn/") == 1, "the run never asked for the weights"
+    t0 = time.monotonic()
     p.send_signal(signal.SIGINT)
-    stdout, _ = p.communicate(timeout=120)
-    assert p.returncode == INTERRUPTED, stdout
+    stdout, stderr = p.communicate(timeout=120)
+    assert time.monotonic() - t0 < 60, "waited for the stalled download instead of stopping"
+    assert p.returncode == INTERRUPTED, stdout + stderr[-2000:]
     err = json.loads(stdout)
     assert err["exit_code"] == INTERRUPTED and "interrupted" in err["message"]
     assert not out.exists()
+    assert not (cache / "fetch").is_dir() or not any((cache / "fetch").iterdir())
 
 
 def test_out_below_a_file_or_being_written_exits_2_before_any_compute(
