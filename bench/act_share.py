@@ -37,15 +37,13 @@ def main() -> None:
     serve_linears(cand)
     _, blocks = decoder_layer_list(cand)  # type: ignore[misc]
     layer_of = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
-    # each served Linear: (name, decoder layer, module, its pre-hooks: the activation rounding)
-    served = [(n, layer_of[id(m)], m, dict(m._forward_pre_hooks)) for n, m in cand.named_modules()
+    # each served Linear: (name, decoder layer, module); its activation rounding has a switch
+    served = [(n, layer_of[id(m)], m) for n, m in cand.named_modules()
               if getattr(m, "_qship_served", False)]  # fmt: skip
 
     def kl(on) -> float:
-        for n, i, m, h in served:
-            m._forward_pre_hooks.clear()
-            if on(n, i):
-                m._forward_pre_hooks.update(h)
+        for n, i, m in served:
+            m.qship_round_activations = on(n, i)
         logits, _ = forward_logits(cand, ids)
         return float(kl_stats.exact_token_stats_fast(ref_logits, logits, nxt)["kl"].mean())
 
@@ -58,7 +56,7 @@ def main() -> None:
     for kind, rx in KINDS.items() if a.by != "layer" else ():
         out["added_by_kind"][kind] = kl(lambda n, i, rx=rx: re.search(rx, n) is not None) - none
         print(f"{kind}: +{out['added_by_kind'][kind]:.5f}", flush=True)
-    for j in sorted({i for _, i, _, _ in served}) if a.by != "kind" else ():
+    for j in sorted({i for _, i, _ in served}) if a.by != "kind" else ():
         out["added_by_layer"][str(j)] = kl(lambda n, i, j=j: i == j) - none
         print(f"layer {j}: +{out['added_by_layer'][str(j)]:.5f}", flush=True)
     out["seconds"] = round(time.perf_counter() - t0, 1)

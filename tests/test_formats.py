@@ -356,6 +356,13 @@ def test_serve_linears_reproduces_the_kernels_on_a_checkpoint(written):
         got = lin(x)
     want = torch.nn.functional.linear(fp8_token_quant(x), want_w.to(x.dtype))
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    lin.qship_round_activations = False  # the switch: served weights, unrounded inputs
+    with torch.no_grad():
+        raw = lin(x)
+    assert torch.allclose(
+        raw, torch.nn.functional.linear(x, want_w.to(x.dtype)), rtol=1e-5, atol=1e-6
+    )
+    assert not torch.allclose(raw, got, rtol=1e-5, atol=1e-6)
 
 
 def test_int8_served_rounding_differs_from_compressed_tensors_where_vllm_does(written):

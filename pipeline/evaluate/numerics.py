@@ -171,6 +171,15 @@ def _w4a8(module: Any, w_args: Any) -> None:
     module.weight.data = (q * w4a8_scales(s).unsqueeze(-1)).reshape(w.shape).to(w.dtype)
 
 
+def _round_inputs(quant: Any) -> Any:
+    def hook(module: Any, inputs: tuple) -> tuple | None:
+        if not module.qship_round_activations:
+            return None  # a share measurement's switch (bench/act_share.py)
+        return (quant(inputs[0]), *inputs[1:])
+
+    return hook
+
+
 def serve_linears(model: Any) -> int:
     """Make the quantized Linear layers of a loaded checkpoint compute as vLLM's kernels do
     (see above): input activations rounded by qship's hooks instead of compressed-tensors'
@@ -190,7 +199,8 @@ def serve_linears(model: Any) -> int:
             _w4a8(module, w)
         quant = _act_quant(module, act)
         module.quantization_scheme = scheme.model_copy(update={"input_activations": None})
-        module.register_forward_pre_hook(lambda _m, inputs, q=quant: (q(inputs[0]), *inputs[1:]))
+        module.register_forward_pre_hook(_round_inputs(quant))
         module._qship_served = True
+        module.qship_round_activations = True  # False: weights as served, inputs unrounded
         n += 1
     return n
