@@ -321,22 +321,6 @@ def test_activation_rounding_matches_the_reference():
         assert len(torch.unique(torch.round(qrow / s))) <= 256  # 8 bits
 
 
-def test_w4a8_scales_are_vllms_fp8_pair():
-    from pipeline.evaluate.numerics import w4a8_scales
-
-    torch.manual_seed(1)
-    s = torch.rand(64, 8) * 0.02 + 1e-4
-    got = w4a8_scales(s.to(torch.bfloat16))
-    for r in range(s.shape[0]):
-        row = s[r].to(torch.bfloat16).float()
-        c = max(float(row.abs().max()) / 448, 1 / (448 * 512))
-        s8 = (row / c).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-        s8 = (s8 / 8).to(torch.float8_e4m3fn).float()
-        assert torch.equal(got[r], s8 * (c * 8))
-    rel = ((got - s.to(torch.bfloat16).float()).abs() / s).max()
-    assert 0 < rel < 0.2  # FP8 scales: a few per cent off, never wildly
-
-
 def test_serve_linears_reproduces_the_kernels_on_a_checkpoint(written):
     """On the W4A8 checkpoint: every Linear's input is rounded per token to FP8, its weight
     is q * (vLLM's FP8 group scale); the layer's output equals that arithmetic by hand."""
@@ -349,7 +333,9 @@ def test_serve_linears_reproduces_the_kernels_on_a_checkpoint(written):
     assert serve_linears(m) == 28 and serve_linears(m) == 0  # idempotent
     q = torch.round(w0.reshape(w0.shape[0], -1, 128) / s.float().unsqueeze(-1))
     assert q.abs().max() <= 8
-    want_w = (q * w4a8_scales(s).unsqueeze(-1)).reshape(w0.shape)
+    s8, chan = w4a8_scales(s)
+    want_w = (q * s8.unsqueeze(-1)).to(torch.float8_e4m3fn).float() * chan.unsqueeze(-1)
+    want_w = want_w.reshape(w0.shape)
     assert torch.equal(lin.weight.detach(), want_w.to(lin.weight.dtype))
     x = torch.randn(2, 7, lin.in_features)
     with torch.no_grad():

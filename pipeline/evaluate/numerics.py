@@ -103,7 +103,8 @@ def served_attention(model: Any, numerics: str, hooked: list[torch.nn.Module]) -
 #   static (per tensor)      the stored input_scale
 # and W4A8 (CUTLASS, sm90) runs the int4 weights with its group scales stored in FP8: per
 # output channel c = max|s| / 448 (QuantFP8 per token over the scale row), then
-# s8 = fp8(fp8(s / c) / 8) and c * 8 (quant_utils.convert_bf16_scales_to_fp8).
+# s8 = fp8(fp8(s / c) / 8) and c * 8 (quant_utils.convert_bf16_scales_to_fp8), each weight
+# taken as fp8(q * s8) * c * 8 (the scale table of CUTLASS's int4 x FP8 main loop).
 # compressed-tensors' own activation rounding differs in small ways (scales in the model
 # dtype, no lower bound), and it knows nothing of W4A8's FP8 scales.
 
@@ -140,14 +141,26 @@ def static_quant(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
     return (q * scale).to(x.dtype)
 
 
-def w4a8_scales(scales: torch.Tensor) -> torch.Tensor:
-    """The group scales [out, groups] as vLLM's CUTLASS W4A8 kernel applies them (FP8 with
-    a float32 scale per output channel), in float32."""
+def w4a8_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group scales [out, groups] as vLLM's CUTLASS W4A8 kernel stores them: the FP8
+    group scales s8 (as float32 values) and the float32 factor per output channel."""
     s = scales.float()
     chan = (s.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     s8 = (s / chan).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     s8 = (s8.float() / 8.0).to(torch.float8_e4m3fn)
-    return s8.float() * (chan * 8.0)
+    return s8.float(), chan * 8.0
+
+
+def w4a8_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int4 values q [out, groups, group] as the kernel multiplies them, in float32. Its
+    main loop reads each weight from a table of the group's products q * s8 for q in
+    -8..-1, each rounded to FP8 (CUTLASS's packed_scale_t, filled by
+    cutlass_pack_scale_fp8; positive q by negation), so the product is FP8-rounded
+    before the per-channel factor: up to 1/16 off where q * s8 needs more than FP8's
+    four significant bits."""
+    s8, chan = w4a8_scales(scales)
+    w = (q.float() * s8.unsqueeze(-1)).to(torch.float8_e4m3fn).float()
+    return w * chan.unsqueeze(-1)
 
 
 def _act_quant(module: Any, args: Any) -> Any:
@@ -168,7 +181,7 @@ def _w4a8(module: Any, w_args: Any) -> None:
     wf = w.float().reshape(w.shape[0], -1, g)
     sf = s.float().unsqueeze(-1)
     q = torch.round(wf / sf).clamp(-8, 7)
-    module.weight.data = (q * w4a8_scales(s).unsqueeze(-1)).reshape(w.shape).to(w.dtype)
+    module.weight.data = w4a8_weight(q, s).reshape(w.shape).to(w.dtype)
 
 
 def _round_inputs(quant: Any) -> Any:

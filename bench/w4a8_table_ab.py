@@ -1,0 +1,56 @@
+"""How much of a W4A8 checkpoint's served KL comes from the FP8 product table of vLLM's
+CUTLASS W4A8 kernel: the candidate as qship simulates it (`numerics.serve_linears`: FP8
+group scales, each weight fp8(q * s8) * c, FP8 per-token activations), then the same with
+the exact products q * s8 * c, both against the reference on the CPU.
+
+    python bench/w4a8_table_ab.py REFERENCE CANDIDATE --sequences 2 [--dtype bfloat16] --out F.json
+
+Text and reference: bench/share_common.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from share_common import arguments, reference_and_candidate
+
+from pipeline.evaluate import kl_stats
+from pipeline.evaluate.numerics import serve_linears, w4a8_scales
+from pipeline.evaluate.scoring import forward_logits
+from pipeline.model.loading import load_model
+
+
+def main() -> None:
+    a = arguments(__doc__, lambda ap: ap.add_argument("--dtype", default="float32"))
+    ids, ref_logits, nxt, cand = reference_and_candidate(a)
+    if a.dtype != "float32":
+        del cand
+        cand = load_model(a.candidate, device="cpu", dtype=a.dtype)
+    lin = [m for m in cand.modules() if getattr(m, "weight_scale", None) is not None
+           and getattr(getattr(m, "quantization_scheme", None), "input_activations", None)]  # fmt: skip
+    stored = {id(m): m.weight.detach().clone() for m in lin}  # q * s, as decompressed
+    serve_linears(cand)
+
+    def kl() -> float:
+        logits, _ = forward_logits(cand, ids)
+        return float(kl_stats.exact_token_stats_fast(ref_logits, logits.float(), nxt)["kl"].mean())
+
+    t0 = time.perf_counter()
+    table = kl()
+    for m in lin:
+        w, s = stored[id(m)], m.weight_scale.data
+        q = torch.round(w.float().reshape(w.shape[0], s.shape[1], -1) / s.float().unsqueeze(-1))
+        s8, chan = w4a8_scales(s)
+        m.weight.data = (q.clamp(-8, 7) * (s8 * chan).unsqueeze(-1)).reshape(w.shape).to(w.dtype)
+    exact = kl()
+    out = {"dtype": a.dtype, "sequences": a.sequences, "seq_len": a.seq_len, "linears": len(lin),
+           "kl_fp8_table": table, "kl_exact_products": exact, "table_adds": table / exact - 1,
+           "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    print(out, flush=True)
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
