@@ -28,6 +28,7 @@ EXPECTED = {
     "mixed-w4-nokv",
     "w8-int8",
     "gptq-w4a-mse",
+    "gptq-w4-mse-kvhead-q-skip5",
     "autoround-w4a",
     "fp8-dynamic",
     "fp8-dynamic-gptq",

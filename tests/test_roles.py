@@ -70,6 +70,11 @@ def test_every_shipped_recipe_plans_unchanged_on_every_family(model_type):
                 with pytest.raises(RecipeError, match="divisible by 128"):
                     plan_for_config(cfg, r)
                 continue
+        skips = r.kv_cache.skip_layers if r.kv_cache else []
+        if skips and max(skips) >= DIMS["num_hidden_layers"]:
+            with pytest.raises(RecipeError, match="skip_layers lists layer"):
+                plan_for_config(cfg, r)
+            continue
         plan = plan_for_config(cfg, r)
         assert all(m.group != "(others)" for m in plan.modules), p.name  # every Linear claimed
         quantized = {m.role for m in plan.modules if m.scheme}
