@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 from pipeline.data.tokens import build_token_sets
 from pipeline.errors import IntegrityError, RecipeError, StageError
 from pipeline.evaluate.numerics import FP8_MAX, _q_scale, fp8_round
+from pipeline.evaluate.scoring import quantizes_activations
 from pipeline.model.checkpoint import inspect_checkpoint
 from pipeline.quantize import plan_for_config, quantize
 from pipeline.recipe import parse_recipe
@@ -48,6 +49,8 @@ def test_query_and_per_head_kv_scales_are_calibrated_and_stored_for_vllm(calibra
     # reads q/k/v scales through its KV-cache method
     attn = [g for g in q["config_groups"].values() if g["targets"] == ["LlamaAttention"]]
     assert len(attn) == 1 and attn[0]["input_activations"]["strategy"] == "attn_head"
+    # a rounded query, not rounded Linear inputs (the served check's rounding floor is for those)
+    assert quantizes_activations(qc.path) and not quantizes_activations(qc.path, query=False)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     sd = load_file(str(qc.path / "model.safetensors"))
     a = "model.layers.0.self_attn"  # its input is the embeddings: no upstream rounding

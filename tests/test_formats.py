@@ -16,6 +16,7 @@ from cli_run import qship
 from small_recipes import small_recipe
 
 from pipeline.errors import IntegrityError, RecipeError
+from pipeline.evaluate.scoring import quantizes_activations
 from pipeline.model.checkpoint import inspect_checkpoint
 from pipeline.model.loading import load_meta_model, load_model
 from pipeline.quantize.plan import build_plan, module_scheme
@@ -224,6 +225,7 @@ def test_each_format_is_written_checked_and_reloads(written, name):
     (group,) = qc["config_groups"].values()
     assert qc["format"] == group["format"] == fmt
     assert group["input_activations"]["dynamic"] is True
+    assert quantizes_activations(out, query=False)  # the served check's rounding floor applies
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         key = "model.layers.0.mlp.down_proj." + ("weight_packed" if fmt == "pack-quantized"
                                                  else "weight")  # fmt: skip

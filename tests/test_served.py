@@ -257,3 +257,44 @@ def test_compare_runs_the_served_check_as_run_does(tmp_path, tiny_llama, capsys)
     assert rc == 0, res
     ev = json.loads((out / "recipes" / "rtn-w4-served" / "eval.json").read_text())
     assert ev["served"]["passed"] and ev["served"]["engine"] == "transformers"
+
+
+def _agreeing_engine(m: dict, flip: int):
+    """Serves the measured candidate's own log-probs, its top-1 token other than measured on
+    the first `flip` positions."""
+
+    class Engine:
+        name, facts = "fake", {}
+
+        def logprobs_at(self, ids, want):
+            served = torch.cat([m["cand_logp"], m["cand_at_ref"]], dim=1).double()
+            top1 = m["cand_ids"][:, 0].long().clone()
+            top1[:flip] = 1 - top1[:flip]
+            return served, top1, 0
+
+    return Engine()
+
+
+def test_rounded_activations_hold_served_vs_measured_to_the_rounding_floor():
+    """A format that rounds activations: served and measured top-1 may differ as two draws of
+    its rounding noise do (down to the measured top-1 squared), not below; the served quality
+    is held as before."""
+    from pipeline.evaluate.served import check
+
+    rows, lp = 10, torch.tensor([0.6, 0.3]).log()
+    ref_ids = torch.tensor([[0, 1]] * 7 + [[1, 0]] * 3, dtype=torch.int32)  # top-1 0.7 vs cand
+    m = {"ids": torch.zeros(2, 6, dtype=torch.int32),
+         "cand_ids": torch.tensor([[0, 1]] * rows, dtype=torch.int32), "ref_ids": ref_ids,
+         "cand_logp": lp.repeat(rows, 1), "ref_logp": torch.tensor([0.5, 0.4]).log().repeat(rows, 1),
+         "cand_at_ref": torch.stack([lp if r[0] == 0 else lp.flip(0) for r in ref_ids]),
+         **{n: torch.full((rows,), 0.1).log() for n in ("cand_tail", "ref_tail", "cand_at_ref_tail")}}  # fmt: skip
+    limits = dict(kv_cache_dtype="auto", max_kl=0.03, min_top1=0.9, max_kl_increase=0.05)
+    plain = check(_agreeing_engine(m, 4), m, **limits)
+    assert not plain.passed and plain.served_vs_measured.top1 == pytest.approx(0.6)
+    assert plain.measured_vs_reference.top1 == pytest.approx(0.7)
+    rounded = check(_agreeing_engine(m, 4), m, **limits, activations=True)
+    assert rounded.passed, rounded.failures  # 0.6 >= 0.7 ** 2
+    assert rounded.thresholds["min_top1"] == pytest.approx(0.49)
+    assert rounded.thresholds["recipe_min_top1"] == 0.9
+    worse = check(_agreeing_engine(m, 6), m, **limits, activations=True)  # 0.4 < 0.49
+    assert not worse.passed and "top-1 0.4000 < min_top1 0.49" in worse.failures[0]

@@ -38,10 +38,18 @@ def kv_scheme(model_dir: Path) -> dict[str, Any] | None:
     return scheme if isinstance(scheme, dict) else None
 
 
-def quantizes_activations(model_dir: Path) -> bool:
-    """Whether some config group rounds its layers' input activations (W8A8, W4A8)."""
+def quantizes_activations(model_dir: Path, *, query: bool = True) -> bool:
+    """Whether some config group rounds its layers' input activations (W8A8, W4A8; with
+    `query`, also the group that rounds the attention modules' query, kv_cache.query: its
+    one target is the attention class)."""
     groups = quantization_config(model_dir).get("config_groups") or {}
-    return any(isinstance(g, dict) and g.get("input_activations") for g in groups.values())
+    return any(isinstance(g, dict) and g.get("input_activations")
+               and (query or not _query_group(g)) for g in groups.values())  # fmt: skip
+
+
+def _query_group(group: dict) -> bool:
+    targets = group.get("targets") or []
+    return bool(targets) and all(str(t).endswith("Attention") for t in targets)
 
 
 SKIPPED = "_qship_kv_16bit"  # set on an attention module whose KV cache is served 16-bit

@@ -34,6 +34,7 @@ from ..model.checkpoint import text_config
 from ..recipe import ServeGate
 from ..records.served import KLFigures, MeasuredInfo, ServedCheck
 from .kl_stats import CHUNK, LOG_FLOOR, _tail_logmass
+from .scoring import quantizes_activations
 
 FILE = "measured.safetensors"
 ARTIFACT_PATH = f"qship/{FILE}"
@@ -182,7 +183,10 @@ def check(
     min_top1: float,
     max_kl_increase: float,
     load_s: float = 0.0,
+    activations: bool = False,
 ) -> ServedCheck:
+    """`activations`: the checkpoint rounds activations at run time, so served vs measured
+    is also held to the floor `rounding_floor` gives."""
     k = measured["cand_ids"].shape[1]
     want = torch.cat([measured["cand_ids"], measured["ref_ids"]], dim=1).long()
     t0 = time.perf_counter()
@@ -200,6 +204,10 @@ def check(
     meas_ref = _figures(_kl(measured["ref_logp"], measured["ref_tail"], measured["cand_at_ref"]),
                         measured["cand_ids"][:, 0].long() == ref_top1)  # fmt: skip
     increase = vs_ref.kl_mean / meas_ref.kl_mean - 1 if meas_ref.kl_mean > 0 else 0.0
+    limits = {"max_kl": max_kl, "min_top1": min_top1, "max_kl_increase": max_kl_increase}
+    if activations:
+        limits.update(rounding_floor(max_kl, min_top1, meas_ref))
+    max_kl, min_top1 = limits["max_kl"], limits["min_top1"]
     failures = []
     figures = [vs_meas.kl_mean, vs_meas.kl_p99, vs_meas.top1, vs_ref.kl_mean, meas_ref.kl_mean]
     if not all(math.isfinite(x) for x in figures):
@@ -215,10 +223,25 @@ def check(
         engine=engine.name, kv_cache_dtype=kv_cache_dtype, served_vs_measured=vs_meas,
         served_vs_reference=vs_ref, measured_vs_reference=meas_ref, served_kl_increase=increase,
         missing=missing, positions=int(want.shape[0]), passed=not failures,
-        thresholds={"max_kl": max_kl, "min_top1": min_top1, "max_kl_increase": max_kl_increase},
+        thresholds=limits,
         failures=failures, seconds={"load": round(load_s, 2), "score": round(score_s, 2)},
         facts=dict(engine.facts),
     )  # fmt: skip
+
+
+def rounding_floor(max_kl: float, min_top1: float, meas_ref: KLFigures) -> dict[str, float]:
+    """Served-vs-measured limits for a checkpoint that rounds activations per token. The
+    engine and qship's evaluation round slightly different inputs (their own kernels), and a
+    value near a rounding boundary lands on the neighbouring level, so the two are two
+    independent draws of the format's rounding noise around the same weights: their KL is
+    about the sum of each one's KL to the reference, their top-1 agreement about the product
+    of each one's agreement with it (bench/served_noise.py: an INT8 W8A8 Gemma 3 270M in
+    float32 vs bfloat16, KL 0.081 between them, 0.061 / 0.073 to the reference; 0.003 for a
+    weight-only one). So: KL up to twice the measured one, top-1 down to its square -- never
+    stricter than the recipe's. The quality served stays held by max_kl_increase."""
+    return {"max_kl": max(max_kl, 2 * meas_ref.kl_mean),
+            "min_top1": min(min_top1, meas_ref.top1**2),
+            "recipe_max_kl": max_kl, "recipe_min_top1": min_top1}  # fmt: skip
 
 
 def run_check(
@@ -239,7 +262,7 @@ def run_check(
         load_s = time.perf_counter() - t0
         return check(eng, measured, kv_cache_dtype=gate.kv_cache_dtype, max_kl=gate.max_kl,
                      min_top1=gate.min_top1, max_kl_increase=gate.max_kl_increase,
-                     load_s=load_s)  # fmt: skip
+                     load_s=load_s, activations=quantizes_activations(Path(model_dir), query=False))  # fmt: skip
 
 
 def _vocab_size(model_dir: Path) -> int | None:

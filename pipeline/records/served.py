@@ -60,7 +60,9 @@ class ServedCheck(Record):
     passed: bool
     """Within the thresholds below."""
     thresholds: dict[str, float] = {}
-    """max_kl (served vs measured), min_top1, max_kl_increase."""
+    """max_kl (served vs measured), min_top1, max_kl_increase as applied; for a checkpoint
+    that rounds Linear inputs also recipe_max_kl / recipe_min_top1, the recipe's own, which
+    the rounding floor may widen (evaluate/served.py `rounding_floor`)."""
     failures: list[str] = []
     """What exceeded its threshold."""
     seconds: dict[str, float] = {}
