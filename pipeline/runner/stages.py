@@ -30,8 +30,14 @@ from ..records.verdict import Verdict
 QUANT_MODEL = "model"  # the checkpoint's folder inside a quantize cache entry
 RESUME = "quantize-layers"  # <cache>/quantize-layers/<key>/: an unfinished run's layers
 MEASURED = "measured.safetensors"  # the served check's measured log-probs, in an evaluate entry
-# Recipe fields that change the quantized weights (gates and evaluation settings do not).
+# Recipe fields that change the quantized weights, the quantize cache key's; OPTIONAL ones
+# enter it only when set, so entries made before they existed keep their keys. The others
+# do not change the weights: names, evaluation, gates, serving, `others` (keep vs refuse an
+# unclaimed Linear: a run that passes its plan writes the same weights), the target (a
+# plan-time check). tests/test_runner_keys.py holds every Recipe field to one of the three.
 _QUANT_FIELDS = ("dtype", "groups", "kv_cache", "calibration")
+_QUANT_OPTIONAL = ("smoothquant",)
+_NOT_QUANT_FIELDS = ("name", "description", "evaluation", "gates", "serve", "others", "target")
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,8 @@ def quantize_key(
     resolved = recipe.resolved()
     inputs: dict[str, Any] = {
         "model": snapshot.model_hash,
-        "recipe": {k: resolved[k] for k in _QUANT_FIELDS},
+        "recipe": {k: resolved[k] for k in _QUANT_FIELDS}
+        | {k: resolved[k] for k in _QUANT_OPTIONAL if resolved.get(k) is not None},
         "calib": tokens.calib_hash,
         # GPU and CPU kernels round differently: their checkpoints are different inputs
         "device": device_kind(device),
