@@ -17,11 +17,9 @@ import json
 import re
 import time
 
-from share_common import arguments, reference_and_candidate
+from share_common import arguments, mean_kl, reference_and_candidate
 
-from pipeline.evaluate import kl_stats
 from pipeline.evaluate.numerics import serve_linears
-from pipeline.evaluate.scoring import forward_logits
 from pipeline.model.roles import decoder_layer_list
 
 KINDS = {"qkv": r"\.(q|k|v)_proj$", "o": r"\.o_proj$", "gate_up": r"\.(gate|up)_proj$",
@@ -44,8 +42,7 @@ def main() -> None:
     def kl(on) -> float:
         for n, i, m in served:
             m.qship_round_activations = on(n, i)
-        logits, _ = forward_logits(cand, ids)
-        return float(kl_stats.exact_token_stats_fast(ref_logits, logits, nxt)["kl"].mean())
+        return mean_kl(ref_logits, cand, ids, nxt)
 
     t0 = time.perf_counter()
     every, none = kl(lambda n, i: True), kl(lambda n, i: False)

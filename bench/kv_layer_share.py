@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import time
 
-from share_common import arguments, reference_and_candidate
+from share_common import arguments, mean_kl, reference_and_candidate
 
-from pipeline.evaluate import kl_stats
 from pipeline.evaluate.numerics import served_attention
-from pipeline.evaluate.scoring import forward_logits, kv_modules
+from pipeline.evaluate.scoring import kv_modules
 
 
 def main() -> None:
@@ -29,8 +28,7 @@ def main() -> None:
         for i, m in enumerate(mods):
             m.quantization_enabled = i in on
         with served_attention(cand, "vllm", mods):
-            logits, _ = forward_logits(cand, ids)
-        return float(kl_stats.exact_token_stats_fast(ref_logits, logits, nxt)["kl"].mean())
+            return mean_kl(ref_logits, cand, ids, nxt)
 
     t0 = time.perf_counter()
     every, none = kl(set(range(len(mods)))), kl(set())

@@ -37,7 +37,7 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         if dtype != "float32":
             del cand
-            cand = load_model(a.candidate, device="cpu", dtype=dtype)
+            cand = load_model(a.candidate, device="cpu", dtype=dtype)  # the same load, 16-bit
         out_n = serve_linears(cand)
         logits[dtype] = forward_logits(cand, ids)[0].float()
     out = {"sequences": a.sequences, "seq_len": a.seq_len, "served_linears": out_n,

@@ -14,37 +14,27 @@ import json
 import time
 
 import torch
-from share_common import arguments, reference_and_candidate
+from share_common import arguments, mean_kl, reference_and_candidate
 
-from pipeline.evaluate import kl_stats
 from pipeline.evaluate.numerics import serve_linears, w4a8_scales
-from pipeline.evaluate.scoring import forward_logits
-from pipeline.model.loading import load_model
 
 
 def main() -> None:
     a = arguments(__doc__, lambda ap: ap.add_argument("--dtype", default="float32"))
-    ids, ref_logits, nxt, cand = reference_and_candidate(a)
-    if a.dtype != "float32":
-        del cand
-        cand = load_model(a.candidate, device="cpu", dtype=a.dtype)
+    ids, ref_logits, nxt, cand = reference_and_candidate(a, a.dtype)
     lin = [m for m in cand.modules() if getattr(m, "weight_scale", None) is not None
            and getattr(getattr(m, "quantization_scheme", None), "input_activations", None)]  # fmt: skip
     stored = {id(m): m.weight.detach().clone() for m in lin}  # q * s, as decompressed
     serve_linears(cand)
 
-    def kl() -> float:
-        logits, _ = forward_logits(cand, ids)
-        return float(kl_stats.exact_token_stats_fast(ref_logits, logits.float(), nxt)["kl"].mean())
-
     t0 = time.perf_counter()
-    table = kl()
+    table = mean_kl(ref_logits, cand, ids, nxt)
     for m in lin:
         w, s = stored[id(m)], m.weight_scale.data
         q = torch.round(w.float().reshape(w.shape[0], s.shape[1], -1) / s.float().unsqueeze(-1))
         s8, chan = w4a8_scales(s)
         m.weight.data = (q.clamp(-8, 7) * (s8 * chan).unsqueeze(-1)).reshape(w.shape).to(w.dtype)
-    exact = kl()
+    exact = mean_kl(ref_logits, cand, ids, nxt)
     out = {"dtype": a.dtype, "sequences": a.sequences, "seq_len": a.seq_len, "linears": len(lin),
            "kl_fp8_table": table, "kl_exact_products": exact, "table_adds": table / exact - 1,
            "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
