@@ -21,6 +21,7 @@ import torch
 
 from .. import log
 from ..errors import UsageError
+from ..model.checkpoint import query_group
 from . import kl_stats
 
 KV_ATTR = "kv_cache"  # compressed_tensors.modeling.kvcache.KV_CACHE_ATTR
@@ -44,12 +45,7 @@ def quantizes_activations(model_dir: Path, *, query: bool = True) -> bool:
     one target is the attention class)."""
     groups = quantization_config(model_dir).get("config_groups") or {}
     return any(isinstance(g, dict) and g.get("input_activations")
-               and (query or not _query_group(g)) for g in groups.values())  # fmt: skip
-
-
-def _query_group(group: dict) -> bool:
-    targets = group.get("targets") or []
-    return bool(targets) and all(str(t).endswith("Attention") for t in targets)
+               and (query or not query_group(g)) for g in groups.values())  # fmt: skip
 
 
 SKIPPED = "_qship_kv_16bit"  # set on an attention module whose KV cache is served 16-bit

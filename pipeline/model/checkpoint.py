@@ -274,10 +274,20 @@ def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems
 
 
 def _attention_group(qc: dict, attention_class: str) -> bool:
-    """A config group that quantizes the attention modules themselves (their query): one
-    target, their class name -- the form vLLM 0.26 recognises and leaves to its KV method."""
-    return any(g.get("targets") == [attention_class] and g.get("input_activations")
-               for g in (qc.get("config_groups") or {}).values())  # fmt: skip
+    return any(query_group(g, attention_class) for g in (qc.get("config_groups") or {}).values())
+
+
+def query_group(group: Any, attention_class: str | None = None) -> bool:
+    """Whether a config group quantizes the attention modules themselves (their query): one
+    target, their class name (`attention_class`, or without it any name ending in
+    "Attention") -- the form vLLM 0.26 recognises and leaves to its KV method."""
+    targets = group.get("targets") if isinstance(group, dict) else None
+    if not group or not isinstance(targets, list) or len(targets) != 1:
+        return False
+    name = str(targets[0])
+    return bool(group.get("input_activations")) and (
+        name == attention_class if attention_class else name.endswith("Attention")
+    )
 
 
 def _file_of(tensors: Tensors, module: str) -> str:
