@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 import time
 
-import torch
 from share_common import arguments, mean_kl, reference_and_candidate
 
-from pipeline.evaluate.numerics import serve_linears, w4a8_scales
+from pipeline.evaluate.numerics import int4_levels, serve_linears, w4a8_scales
 
 
 def main() -> None:
@@ -31,9 +30,8 @@ def main() -> None:
     table = mean_kl(ref_logits, cand, ids, nxt)
     for m in lin:
         w, s = stored[id(m)], m.weight_scale.data
-        q = torch.round(w.float().reshape(w.shape[0], s.shape[1], -1) / s.float().unsqueeze(-1))
         s8, chan = w4a8_scales(s)
-        m.weight.data = (q.clamp(-8, 7) * (s8 * chan).unsqueeze(-1)).reshape(w.shape).to(w.dtype)
+        m.weight.data = (int4_levels(w, s) * (s8 * chan).unsqueeze(-1)).reshape(w.shape).to(w.dtype)
     exact = mean_kl(ref_logits, cand, ids, nxt)
     out = {"dtype": a.dtype, "sequences": a.sequences, "seq_len": a.seq_len, "linears": len(lin),
            "kl_fp8_table": table, "kl_exact_products": exact, "table_adds": table / exact - 1,

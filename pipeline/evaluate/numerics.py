@@ -174,14 +174,17 @@ def _act_quant(module: Any, args: Any) -> Any:
     return lambda x: static_quant(x, scale, kind)
 
 
-def _w4a8(module: Any, w_args: Any) -> None:
+def int4_levels(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The int4 values q [out, groups, group] of a decompressed group-quantized weight
+    (q * s) and its group scales [out, groups]."""
+    wf = weight.float().reshape(weight.shape[0], scales.shape[1], -1)
+    return torch.round(wf / scales.float().unsqueeze(-1)).clamp(-8, 7)
+
+
+def _w4a8(module: Any) -> None:
     """Re-round an int4 group-quantized weight with vLLM's FP8 group scales."""
     w, s = module.weight.data, module.weight_scale.data
-    g = int(w_args.group_size)
-    wf = w.float().reshape(w.shape[0], -1, g)
-    sf = s.float().unsqueeze(-1)
-    q = torch.round(wf / sf).clamp(-8, 7)
-    module.weight.data = w4a8_weight(q, s).reshape(w.shape).to(w.dtype)
+    module.weight.data = w4a8_weight(int4_levels(w, s), s).reshape(w.shape).to(w.dtype)
 
 
 def _round_inputs(quant: Any) -> Any:
@@ -209,7 +212,7 @@ def serve_linears(model: Any) -> int:
         w = scheme.weights
         if w is not None and str(w.type).endswith("int") and w.num_bits == 4 and \
                 str(act.type).endswith("float"):  # fmt: skip
-            _w4a8(module, w)
+            _w4a8(module)
         quant = _act_quant(module, act)
         module.quantization_scheme = scheme.model_copy(update={"input_activations": None})
         module.register_forward_pre_hook(_round_inputs(quant))
