@@ -20,7 +20,7 @@ from factories import eval_file
 
 from pipeline import gate
 from pipeline.compare.output import PERF_FILES, write_report
-from pipeline.compare.report import fastest, recommendation, summarise_rows
+from pipeline.compare.report import fastest, recommendation, summarise_rows, value
 from pipeline.compare.rows import row
 from pipeline.errors import RecipeError, StageError, UsageError
 from pipeline.evaluate import perf
@@ -204,6 +204,24 @@ def test_compare_report_recommends_per_workload(tmp_path):
     for f in PERF_FILES:
         assert (tmp_path / "rep" / f).read_bytes()[:4] == b"\x89PNG"
     assert out["fastest"]["64-streams"] == "fp8-dynamic"
+
+
+def test_recommendation_says_when_no_recipe_beats_the_16_bit_model(tmp_path):
+    """Qwen2.5-Coder-0.5B on the H200 (2026-12-06): W4A16 0.85x, FP8 0.89x at one stream --
+    the report must not call a recipe slower than the 16-bit model 'fastest' without saying
+    so; a workload where one is faster keeps the plain words."""
+    runner = RecordedRunner(scale={"fp8": 0.7, "w4": 0.5})
+    refs: dict = {}
+    res = {n: perf.measure(tmp_path / n, tmp_path / "ref", ServeGate(), runner, ref_runs=refs)
+           for n in ("fp8", "w4")}  # fmt: skip
+    rows = [row(_ev("fp8-dynamic", 8.1, 0.01, True, res["fp8"], 0)),
+            row(_ev("w4-g128", 4.1, 0.17, True, res["w4"], 1))]  # fmt: skip
+    words = recommendation(summarise_rows(rows))
+    sp = {w: value(rows[0], f"speed:{w}") for w in ("1-stream", "64-streams")}
+    assert sp["64-streams"] < 1 < sp["1-stream"], sp  # the recordings x 0.7: FP8 1.48x, 1.35x
+    assert (f"64-streams: none faster than the 16-bit model (the fastest, **fp8-dynamic** "
+            f"(W8A8-FP8), {sp['64-streams']:.2f}x") in words, words  # fmt: skip
+    assert f"1-stream: **fp8-dynamic** (W8A8-FP8), {sp['1-stream']:.2f}x" in words
 
 
 def test_model_card_states_the_served_speed(tmp_path):
