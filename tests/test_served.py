@@ -69,30 +69,63 @@ def test_run_serves_and_stores_what_it_measured(served_artifact):
     assert prov["served"]["passed"] is True
 
 
-def test_verify_serve_passes_then_catches_altered_weights(served_artifact, tmp_path, capsys):
+def altered(art: Path, dest: Path) -> Path:
+    """A copy of `art` with one layer's scales altered and SHA256SUMS re-written to match:
+    every integrity check still holds."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from pipeline.io.hashing import format_sha256sums, hash_files, list_files
 
-    art, _ = served_artifact
-    rc, rep = qship(capsys, "verify", str(art), "--serve", "transformers", "--device", "cpu")
-    assert rc == 0 and rep["served"]["passed"], rep
-    # alter one layer's scales and re-write SHA256SUMS: every integrity check still holds
-    bad = shutil.copytree(art, tmp_path / "bad")
+    bad = shutil.copytree(art, dest)
     w = load_file(str(bad / "model.safetensors"))
     for name in [k for k in w if k.endswith("mlp.down_proj.weight_scale")]:
         w[name] = w[name] * 1.5
     save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
     sums = {r: d.sha256 for r, d in hash_files(bad, list_files(bad)).items() if r != "SHA256SUMS"}
     (bad / "SHA256SUMS").write_text(format_sha256sums(sums))
+    return bad
+
+
+def test_verify_serve_passes_then_catches_altered_weights(served_artifact, tmp_path, capsys):
+    art, _ = served_artifact
+    rc, rep = qship(capsys, "verify", str(art), "--serve", "transformers", "--device", "cpu")
+    assert rc == 0 and rep["served"]["passed"], rep
+    bad = altered(art, tmp_path / "bad")
     rc, ok = qship(capsys, "verify", str(bad))
     assert rc == 0, ok  # checksums and headers cannot tell
     rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu")
     assert rc == GATE_FAILED, err
     assert "served model differs from the measured one" in err["message"]
     assert err["result"]["served"]["served_vs_measured"]["kl_mean"] > 0.03
+
+
+def test_a_failed_served_check_does_not_stop_the_other_served_gates(
+    served_artifact, tiny_llama, tmp_path, capsys, monkeypatch
+):
+    """An engine start is minutes of GPU time: after the served check fails, the long-context
+    check (and --perf) still run, their figures are in the result, and the error names every
+    failure (a Qwen mixed artifact's long-context row was lost to the first one, 2026-12-06)."""
+    from pipeline.cli import artifact as cli_artifact
+    from pipeline.errors import GateFailed
+
+    bad = altered(served_artifact[0], tmp_path / "bad")
+    seen = []
+
+    def long_context(art, report, reference, engine, kv, device):
+        seen.append(report.served.passed)  # it runs after the failed served check, with it
+        report = report.model_copy(update={"warnings": [*report.warnings, "long context ran"]})
+        raise GateFailed("long-context retrieval fell", path="recipe.yaml", result=report)
+
+    monkeypatch.setattr(cli_artifact, "_long_context", long_context)
+    rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu",
+                    "--reference", str(tiny_llama))  # fmt: skip
+    assert rc == GATE_FAILED and seen == [False], err
+    assert "served model differs from the measured one" in err["message"]
+    assert "long-context retrieval fell" in err["message"]
+    assert err["result"]["served"]["passed"] is False
+    assert "long context ran" in err["result"]["warnings"]
 
 
 def test_verify_serve_vllm_absent_is_a_usage_error(served_artifact, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -142,13 +143,37 @@ def verify_cmd(
                     atol=atol)  # fmt: skip
     if serve is None:
         return report
-    report = _serve_check(artifact, report, serve, serve_kv, device)
     if reference is not None:
         _same_source(artifact, reference)
-        report = _long_context(artifact, report, reference, serve, serve_kv, device)
-    if perf:
-        assert reference is not None
-        report = _perf(artifact, report, reference, raw_dir)
+    # every served gate runs and is reported, then the first failure names them all: an
+    # engine start is minutes of GPU time, and a CI job needs every figure of the artifact
+    steps: list[Step] = [lambda r: _serve_check(artifact, r, serve, serve_kv, device)]
+    if reference is not None:
+        steps.append(lambda r: _long_context(artifact, r, reference, serve, serve_kv, device))
+        if perf:
+            steps.append(lambda r: _perf(artifact, r, reference, raw_dir))
+    return _all_gates(report, steps)
+
+
+Step = Callable[[VerifyReport], VerifyReport]
+
+
+def _all_gates(report: VerifyReport, steps: list[Step]) -> VerifyReport:
+    """Run each step (report -> report, GateFailed carrying its report), then raise the
+    first failure with every failure's message and the report holding all the figures."""
+    from ..errors import GateFailed
+
+    failed: list[GateFailed] = []
+    for step in steps:
+        try:
+            report = step(report)
+        except GateFailed as e:
+            failed.append(e)
+            report = e.result if e.result is not None else report
+    if failed:
+        first = failed[0]
+        raise GateFailed(" · ".join(e.message for e in failed), path=first.path,
+                         hint=first.hint, result=report)  # fmt: skip
     return report
 
 
