@@ -308,6 +308,28 @@ def _agreeing_engine(m: dict, flip: int):
     return Engine()
 
 
+@pytest.mark.parametrize(
+    ("groups", "kv", "rounds"),
+    [
+        ({"w": {"weights": {"num_bits": 4}, "input_activations": None}}, None, False),
+        ({"w": {"weights": {"num_bits": 4}, "input_activations": None}}, {"num_bits": 8}, True),
+        ({"w": {"weights": {"num_bits": 8}, "input_activations": {"num_bits": 8}}}, None, True),
+    ],
+    ids=["weight-only", "weight-only + FP8 KV", "W8A8"],
+)
+def test_the_rounding_floor_covers_rounded_linear_inputs_and_an_fp8_kv_cache(
+    tmp_path, groups, kv, rounds
+):
+    """An FP8 KV cache rounds K, V (and, in vLLM, the query) at run time as W8A8 rounds
+    Linear inputs: served and measured differ by that rounding's noise (Qwen2.5-Coder-0.5B
+    W4A16 on the H200: top-1 0.976 with a 16-bit KV cache, 0.90-0.91 with FP8)."""
+    from pipeline.evaluate.served import rounds_at_run_time
+
+    qc = {"config_groups": groups, **({"kv_cache_scheme": kv} if kv else {})}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    assert rounds_at_run_time(tmp_path) is rounds
+
+
 def test_rounded_activations_hold_served_vs_measured_to_the_rounding_floor():
     """A format that rounds activations: served and measured top-1 may differ as two draws of
     its rounding noise do (down to the measured top-1 squared), not below; the served quality

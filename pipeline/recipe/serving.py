@@ -95,8 +95,9 @@ class ServeGate(_Strict):
     # with a 16-bit KV cache, 0.0118 with FP8 (H200, bench/RESULTS.md); a tiny Llama 0.0012
     max_kl: float = Field(default=0.03, gt=0)
     # top-1 agreement of served and measured (Gemma 3 270M: 0.926, tiny Llama: 0.963). Where
-    # the checkpoint rounds Linear inputs (W8A8, W4A8) both limits widen to that rounding's
-    # noise: KL up to 2x the measured KL, top-1 down to its square (served.rounding_floor)
+    # the checkpoint rounds activations at run time (W8A8, W4A8 Linear inputs; an FP8 KV
+    # cache) both limits widen to that rounding's noise: KL up to 2x the measured KL, top-1
+    # down to its square (served.rounding_floor)
     min_top1: float = Field(default=0.90, ge=0, le=1)
     # KL(ref || served) / KL(ref || measured) - 1: how much worse served is than claimed
     max_kl_increase: float = Field(default=0.05, ge=0)

@@ -61,8 +61,9 @@ class ServedCheck(Record):
     """Within the thresholds below."""
     thresholds: dict[str, float] = {}
     """max_kl (served vs measured), min_top1, max_kl_increase as applied; for a checkpoint
-    that rounds Linear inputs also recipe_max_kl / recipe_min_top1, the recipe's own, which
-    the rounding floor may widen (evaluate/served.py `rounding_floor`)."""
+    that rounds activations at run time (Linear inputs, an FP8 KV cache) also recipe_max_kl /
+    recipe_min_top1, the recipe's own, which the rounding floor may widen
+    (evaluate/served.py `rounding_floor`)."""
     failures: list[str] = []
     """What exceeded its threshold."""
     seconds: dict[str, float] = {}
