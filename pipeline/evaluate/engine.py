@@ -144,8 +144,10 @@ def evaluate(
         capture = (Capture(min(o.measured_topk, topk)) if measured_path and o.measured_topk
                    else None)  # fmt: skip
         with served_attention(cand_model, attention, hooked):
+            spent: dict[str, float] = {}
             scored = score_against_reference(cand_model, ids, ref, batch_size, passes,
-                                             "candidate", capture=capture)  # fmt: skip
+                                             "candidate", capture=capture, timings=spent)  # fmt: skip
+            timings.update({f"candidate_{k}": v for k, v in spent.items()})
         if capture is not None and measured_path is not None:
             measured = capture.save(measured_path, ids, attention if n_hooked else "kv-only")
         on, off = scored["on"], scored.get("off")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class _Clock:
+    """`with clock(name):` adds the block's seconds to spent[name], the device synchronized
+    first and last so a GPU's queued work is counted where it was issued."""
+
+    def __init__(self, device: str, spent: dict[str, float]):
+        self.device, self.spent = device, spent
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        sync(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync(self.device)
+            self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t0
+
+
 def score_against_reference(
     model: Any,
     ids: torch.Tensor,
@@ -122,27 +141,35 @@ def score_against_reference(
     kv_passes: dict[str, bool] | None = None,
     progress: str | None = None,
     capture: Any = None,
+    timings: dict[str, float] | None = None,
 ) -> dict[str, kl_stats.Accumulator]:
     """Per-token figures of `model` on `ids` against a cached reference entry (top-k + tail,
     rows in sequence-then-position order). One pass per entry of `kv_passes` (name -> KV
     quantization on/off; a model without KV hooks is the same in both). Used by evaluate's
     cached mode, by compare (per-token KL for the plot) and by sensitivity. `capture`
-    (served.Capture) keeps the first pass's top-k log-probs for the served check."""
+    (served.Capture) keeps the first pass's top-k log-probs for the served check. `timings`
+    gets the seconds of the forwards, the KL arithmetic and the capture (synchronized on a
+    GPU): a GPU evaluate spent minutes on 32 sequences, CPU-bound, and this says where."""
     kv_passes = kv_passes or {"on": True}
     acc = {name: kl_stats.Accumulator() for name in kv_passes}
     per_seq = ids.shape[1] - 1
     n = ids.shape[0]
     bar = log.Progress(progress, n, unit="sequences") if progress else None
+    spent = timings if timings is not None else {}
+    dev = str(next(model.parameters()).device)
+    clock = _Clock(dev, spent)
     for s in range(0, n, batch_size):
         batch = ids[s : s + batch_size]
         rows = slice(s * per_seq, (s + batch.shape[0]) * per_seq)
         part = {k: v[rows] for k, v in ref.items()}
         for i, (name, enabled) in enumerate(kv_passes.items()):
-            with kv_quantization(model, enabled):
+            with clock("forward_s"), kv_quantization(model, enabled):
                 cl, nxt = forward_logits(model, batch)
-            acc[name].add(kl_stats.kl_topk_tail(part, cl, nxt))
+            with clock("kl_s"):
+                acc[name].add(kl_stats.kl_topk_tail(part, cl, nxt))
             if capture is not None and i == 0:
-                capture.add(part, cl)
+                with clock("capture_s"):
+                    capture.add(part, cl)
             del cl
         if bar:
             bar.update(s + batch.shape[0])
