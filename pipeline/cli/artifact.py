@@ -13,6 +13,8 @@ from ..errors import UsageError
 from ..records.artifact import Artifact, PublishResult, VerifyReport
 from .common import DeviceOpt, JsonOpt, VerboseOpt
 
+Step = Callable[[VerifyReport], VerifyReport]  # one served gate: report in, report out
+
 
 def _read_json(path: Path, what: str) -> object:
     try:
@@ -153,9 +155,6 @@ def verify_cmd(
         if perf:
             steps.append(lambda r: _perf(artifact, r, reference, raw_dir))
     return _all_gates(report, steps)
-
-
-Step = Callable[[VerifyReport], VerifyReport]
 
 
 def _all_gates(report: VerifyReport, steps: list[Step]) -> VerifyReport:
