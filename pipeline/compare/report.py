@@ -226,6 +226,8 @@ def columns(rows: list[dict]) -> list[tuple[str, str, str, str | None]]:
         cols.append((f"speed:{w}", f"{w} speed-up", "{:.2f}x", "max"))
     if any(r.get("weights_gib") is not None for r in rows):
         cols.append(("weights_gib", "served weights GiB", "{:.2f}", "min"))
+    if any(r.get("kv_cache_tokens") is not None for r in rows):  # what a small model buys
+        cols.append(("kv_cache_tokens", "KV-cache tokens", "{:d}", "max"))
     return cols
 
 
