@@ -33,6 +33,7 @@
 #                           any exported recipe by name; + w4a16-gptq, W4A8's twin), each
 #                           artifact's `qship verify --serve vllm` started when it is written
 #                           (waiting for vLLM's environment), in $CHAINS parallel chains (1);
+#                           SPEED_ONLY=1: `qship quantize` only, for the speed bench
 #                           beside them, for the models in $LC, the FP8-KV mixed recipe and
 #                           its long-context check (4k, 16k, max)
 #              r8b          a random Llama-3-8B-dims model, `qship quantize` with the data-free
@@ -84,8 +85,16 @@ quality() {  # TAG GGUF: fetch (the reference folder), then the recipes in $CHAI
   wait
 }
 
-one() {  # TAG GGUF RECIPE: `qship run`, its rows, its served check in the background
+one() {  # TAG GGUF RECIPE: `qship run`, its rows, its served check in the background;
+  # SPEED_ONLY=1: `qship quantize` of the fetched folder only (a speed session whose quality
+  # rows exist: no evaluate, no served check, minutes of device time saved per recipe)
   local t=$1 m=$2 r=$3
+  if [ "${SPEED_ONLY:-0}" = 1 ]; then
+    $Q quantize --model "$(python3 -c "import json;print(json.load(open('$S/rows/$t-fetch.json'))['path'])")" \
+      --recipe "$(recipe "$r")" --out "$S/art-$t-$r" --cache-dir "$S/cache-$t" --device cuda --json \
+      > "$S/rows/$t-$r-quantize.json" 2> "$S/$t-$r.log"
+    echo "== $t $r quantize rc $?"; return
+  fi
   $Q run --model "$m" --recipe "$(recipe "$r")" --out "$S/art-$t-$r" --cache-dir "$S/cache-$t" \
     --device cuda --json > "$S/rows/$t-$r-run.json" 2> "$S/$t-$r.log"
   echo "== $t $r rc $?"; touch "$S/$t-$r.ok"
