@@ -67,9 +67,9 @@ if ! have .devstash8; then
   rm -rf "$V"
 fi
 if ! have .devstash9; then
-  dl .devstash9/p3whl model-hosting-container-standards==0.1.16 jmespath supervisor
+  dl .devstash9/p3whl model-hosting-container-standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0
   dl .devstash9/cudab cuda-bindings==13.5.0
 fi
-have .devstash10 || dl .devstash10/p4whl humming-kernels==0.1.10 pyelftools \
+have .devstash10 || dl .devstash10/p4whl humming-kernels==0.1.10 pyelftools==0.33 \
   nvidia-cuda-nvcc==13.5.37 nvidia-cuda-cccl==13.3.5.0.6
 du -sh .whl .qship-gpu .benchcache .devstash* | sort -k2
