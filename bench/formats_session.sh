@@ -47,6 +47,7 @@
 #            reference cached, then the rest at once; WAIT_FOR="gemma qwen r8b bench6" then)
 #   start-caps  the capped 8B runs again on cores 0-4 (after a fix), the waiter restarted to
 #            wait for them too
+#   probe-w4a8  vLLM's W4A8 kernel vs qship's simulation per Linear, for the models in $PROBE
 #   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
 set -uo pipefail
 S=/root/stash
@@ -219,6 +220,17 @@ waiter)
     sleep 5; while pgrep -f '^python3 -m pipeline.cli verify' > /dev/null; do sleep 3; done;
     bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done" > /dev/null 2>&1 &
   sleep 2; tail -n 3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
+  ;;
+probe-w4a8)  # after art-T-w4a8-fp8 exists and vLLM is in: its CUTLASS W4A8 kernel against
+  # qship's simulation, Linear by Linear (bench/w4a8_kernel_probe.py), for T in $PROBE
+  link
+  for t in ${PROBE:-qwen gemma}; do
+    [ -d "$S/art-$t-w4a8-fp8" ] || continue
+    "$S/vllm-python" bench/w4a8_kernel_probe.py serve "$S/art-$t-w4a8-fp8" "$S/rows/$t-w4a8-probe.safetensors" > "$S/$t-probe.log" 2>&1
+    python3 bench/w4a8_kernel_probe.py compare "$S/art-$t-w4a8-fp8" "$S/rows/$t-w4a8-probe.safetensors" \
+      --json "$S/rows/$t-w4a8-probe.json" >> "$S/$t-probe.log" 2>&1
+    grep -v "Warning\|warn(\|it/s" "$S/$t-probe.log" | tail -n 8
+  done
   ;;
 run-gemma) link; quality gemma "$G" ;;
 run-bench6) link; bench6 gemma "$G" ;;
