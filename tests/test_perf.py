@@ -202,7 +202,9 @@ def test_compare_report_recommends_per_workload(tmp_path):
     assert "1-stream speed-up" in md and "| formats |" in md and "W8A8-FP8" in md
     kv = f"| {res['fp8'].candidate.kv_cache_tokens} |"  # vLLM's log of the recorded FP8 run
     assert "KV-cache tokens" in md and kv in md, md
-    assert "speed:64-streams" in (tmp_path / "rep" / "compare.csv").read_text()
+    csv_text = (tmp_path / "rep" / "compare.csv").read_text()
+    assert "speed:64-streams" in csv_text and "kv_cache_tokens" in csv_text
+    assert f",{res['fp8'].candidate.kv_cache_tokens}," in csv_text
     for f in PERF_FILES:
         assert (tmp_path / "rep" / f).read_bytes()[:4] == b"\x89PNG"
     assert out["fastest"]["64-streams"] == "fp8-dynamic"

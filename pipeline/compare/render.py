@@ -97,6 +97,7 @@ def csv_header(rows: list[dict]) -> list[str]:
         ["name", "recipe", "recipe_hash", "passed", "formats", *SCALARS]
         + [f"task:{t}" for t in task_names(rows)]
         + [f"speed:{w}" for w in workloads(rows)]
+        + (["weights_gib", "kv_cache_tokens"] if workloads(rows) else [])
         + ["failed_checks"]
     )
 
