@@ -150,8 +150,9 @@ def test_reference_cache_is_reused(tiny_llama, llama_2bit, heldout, tmp_path, mo
     assert second.metrics == first.metrics
     # where the candidate pass spends its time: forwards, KL arithmetic, within its total
     t = second.timings
-    assert t["candidate_forward_s"] > 0 and t["candidate_kl_s"] > 0
-    assert t["candidate_forward_s"] + t["candidate_kl_s"] <= t["candidate_s"]
+    assert t["candidate_forward_s"] > 0 and t["candidate_kl_s"] >= 0
+    # each figure is stored rounded to the millisecond
+    assert t["candidate_forward_s"] + t["candidate_kl_s"] <= t["candidate_s"] + 0.002
     # a different held-out set is a different entry
     loaded.clear()
     _run(tiny_llama, llama_2bit, heldout[:3], tmp_path)
