@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# H200 session for the activation formats (issue 29) and served speed (issue 30). Inputs
+# H200 session for the activation formats (issue 29) and served speed (issue 30). Every carry
+# below is built on a new machine by `VLLM_PACK=DIR bash bench/carry_prepare.sh`. Inputs
 # travel as in frontier_session.sh: qship's wheels (.whl), the corpus and recipes (.qship-gpu,
 # `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/formats/*.yaml
 # bench/recipes/perf/*.yaml`), the benchmark data for bench6 (.benchcache: this machine's
