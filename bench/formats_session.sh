@@ -71,6 +71,7 @@ bg() {  # JOB [CPUS] in the background, outliving the call, on cores CPUS; $S/JO
 }
 
 recipe() { if [ -f "$L/$1-h200.yaml" ]; then echo "$L/$1-h200.yaml"; else echo "$L/$1.yaml"; fi; }
+snapshot() { python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['path'])" "$S/rows/$1-fetch.json"; }  # TAG's 16-bit folder
 
 quality() {  # TAG GGUF: fetch (the reference folder), then the recipes in $CHAINS parallel
   # chains (round-robin; the stage cache's entry locks make the shared reference computed
@@ -92,7 +93,7 @@ one() {  # TAG GGUF RECIPE: `qship run`, its rows, its served check in the backg
   # rows exist: no evaluate, no served check, minutes of device time saved per recipe)
   local t=$1 m=$2 r=$3
   if [ "${SPEED_ONLY:-0}" = 1 ]; then
-    $Q quantize --model "$(python3 -c "import json;print(json.load(open('$S/rows/$t-fetch.json'))['path'])")" \
+    $Q quantize --model "$(snapshot "$t")" \
       --recipe "$(recipe "$r")" --out "$S/art-$t-$r" --cache-dir "$S/cache-$t" --device cuda --json \
       > "$S/rows/$t-$r-quantize.json" 2> "$S/$t-$r.log"
     echo "== $t $r quantize rc $?"; return
@@ -111,7 +112,7 @@ long_context() {  # TAG GGUF: the FP8-KV mixed recipe and its long-context check
   echo "== $t mixed-lc rc $?"
   cp "$S/art-$t-mixed-lc.report/eval.json" "$S/rows/$t-mixed-lc-eval.json" 2>/dev/null
   [ -d "$S/art-$t-mixed-lc" ] && serve_bg "$t" mixed-lc \
-    "--reference $(python3 -c "import json;print(json.load(open('$S/rows/$t-fetch.json'))['path'])")"
+    "--reference $(snapshot "$t")"
 }
 
 serve_bg() {  # T R [ARGS]: `qship verify --serve vllm` of art-T-R in the background, once vLLM's
@@ -171,7 +172,7 @@ speed() {  # alone on the GPU: Qwen's artifacts, then the 8B checkpoints (+ the 
   # PERF=0: none (a short lease)
   [ "${PERF:-1}" = 1 ] || return 0
   local ref c=""
-  ref=$(python3 -c "import json;print(json.load(open('$S/rows/qwen-fetch.json'))['path'])" 2>/dev/null)
+  ref=$(snapshot qwen 2>/dev/null)
   for r in ${PERF_QWEN:-w4a16-gptq fp8-dynamic w8a8-int8-sq w4a8-fp8 fp8-block}; do
     [ -d "$S/art-qwen-$r" ] && c="$c $r=$S/art-qwen-$r"
   done
