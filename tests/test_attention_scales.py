@@ -49,7 +49,8 @@ def test_query_and_per_head_kv_scales_are_calibrated_and_stored_for_vllm(calibra
     # reads q/k/v scales through its KV-cache method
     attn = [g for g in q["config_groups"].values() if g["targets"] == ["LlamaAttention"]]
     assert len(attn) == 1 and attn[0]["input_activations"]["strategy"] == "attn_head"
-    # a rounded query, not rounded Linear inputs (the served check's rounding floor is for those)
+    # a rounded query, not rounded Linear inputs (the served check's rounding floor reaches
+    # this checkpoint through its FP8 KV scheme: served.rounds_at_run_time)
     assert quantizes_activations(qc.path) and not quantizes_activations(qc.path, query=False)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     sd = load_file(str(qc.path / "model.safetensors"))
