@@ -39,10 +39,12 @@
 #                           its long-context check (4k, 16k, max)
 #              r8b          a random Llama-3-8B-dims model, `qship quantize` with the data-free
 #                           RTN recipes of bench/recipes/perf ($SPEED; speed needs no trained
-#                           weights), then gemma-mixed-w4 with --offload cpu (host memory by
-#                           phase), then (CAPS=1) under --gpu-memory caps with --offload auto
+#                           weights) beside gemma-mixed-w4 with --offload cpu (host memory by
+#                           phase), $R8B_J at once, then (CAPS=1) under --gpu-memory caps with
+#                           --offload auto
 #            once those and every served check are done, alone on the GPU: served speed
-#            (bench/perf_bench.py) of Qwen's artifacts ($PERF_QWEN), then of the 8B checkpoints,
+#            (bench/perf_bench.py) of Qwen's artifacts ($PERF_QWEN), then of the 8B checkpoints
+#            ($PERF_R8B, in that order),
 #            each beside its 16-bit reference
 #   start-bench6  Gemma's formats with lm-eval's six tasks on their full sets (the first alone, its
 #            reference cached, then the rest at once; WAIT_FOR="gemma qwen r8b bench6" then)
@@ -124,20 +126,20 @@ serve_bg() {  # T R [ARGS]: `qship verify --serve vllm` of art-T-R in the backgr
     echo \"== served $1 $2 rc \$?\" >> $S/served.log" > /dev/null 2>&1 &
 }
 
-r8b() {  # the random 8B and its data-free checkpoints, quantized at once
+r8b() {  # the random 8B and its checkpoints: the mixed one with --offload cpu (host memory
+  # by phase, issue 32; 41.3 GB on 2026-12-04) beside the data-free RTN ones, $R8B_J jobs at
+  # once (5: 4 x 16.7 GB of GPU memory + the offloaded run's 5.2 GB fit an H100; host
+  # memory: the 16 GB model is read by each, ~15 GB anonymous in each reload check)
   [ -f "$S/r8b/config.json" ] || python3 bench/make_random_llama.py "$S/r8b" || exit 1
-  for r in $SPEED; do  # at once (host memory: the 16 GB model is read by each)
+  [ "${R8B_EXTRA:-1}" = 1 ] && mixed8b mixed-off mixed-offload --offload cpu &
+  for r in $SPEED; do
+    while [ "$(jobs -rp | wc -l)" -ge "${R8B_J:-5}" ]; do wait -n; done
     ( $Q quantize --model "$S/r8b" --recipe "$L/$r.yaml" --out "$S/r8b-$r" --cache-dir "$S/cache-r8b" \
         --device cuda --json > "$S/rows/r8b-$r-quantize.json" 2> "$S/r8b-$r.log"; echo "== r8b $r rc $?" ) &
   done
   wait
-  [ "${R8B_EXTRA:-1}" = 1 ] || return 0  # R8B_EXTRA=0: the speed checkpoints only
-  # host memory under --offload cpu by phase (issue 32; 41.3 GB on 2026-12-04) beside the
-  # capped runs (CAPS=0: none): at once (device time; the peaks are per process, 2 x ~23 GB
-  # of a 128 GiB host), each with its own cache
-  mixed8b mixed-off mixed-offload --offload cpu &
-  [ "${CAPS:-1}" = 1 ] && caps &
-  wait
+  # R8B_EXTRA=0: the speed checkpoints only; CAPS=0: not the capped runs
+  [ "${R8B_EXTRA:-1}" = 1 ] && [ "${CAPS:-1}" = 1 ] && caps
 }
 
 caps() {  # bigger than the GPU, shown (issue 32 item 3): a cap below one layer exits 2 before
@@ -171,7 +173,7 @@ bench6() {  # TAG GGUF: lm-eval's six tasks on their full sets for each of $BENC
 speed() {  # alone on the GPU: Qwen's artifacts, then the 8B checkpoints (+ the mixed one);
   # PERF=0: none (a short lease)
   [ "${PERF:-1}" = 1 ] || return 0
-  local ref c=""
+  local ref c="" d
   ref=$(snapshot qwen 2>/dev/null)
   for r in ${PERF_QWEN:-w4a16-gptq fp8-dynamic w8a8-int8-sq w4a8-fp8 fp8-block}; do
     [ -d "$S/art-qwen-$r" ] && c="$c $r=$S/art-qwen-$r"
@@ -180,8 +182,10 @@ speed() {  # alone on the GPU: Qwen's artifacts, then the 8B checkpoints (+ the 
     --reference "$ref" --out "$S/rows/perf-qwen" --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-2}" $c
   echo "== perf qwen rc $?"
   c=""
-  for r in $SPEED; do [ -f "$S/r8b-$r/config.json" ] && c="$c $r=$S/r8b-$r"; done
-  [ -f "$S/r8b-mixed-off/config.json" ] && c="$c gemma-mixed-w4=$S/r8b-mixed-off"
+  for r in ${PERF_R8B:-$SPEED gemma-mixed-w4}; do  # in this order (the mixed one: its offload run)
+    d=$S/r8b-$r && [ "$r" = gemma-mixed-w4 ] && d=$S/r8b-mixed-off
+    [ -f "$d/config.json" ] && c="$c $r=$d"
+  done
   [ -n "$c" ] && QSHIP_VLLM_PYTHON=$S/vllm-python python3 bench/perf_bench.py --reference "$S/r8b" \
     --out "$S/rows/perf-r8b" --repeats "${REPEATS:-3}" --prompts-per-stream "${PPS:-1}" --min-prompts "${MINP:-8}" $c
   echo "== perf r8b rc $?"

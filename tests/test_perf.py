@@ -245,11 +245,33 @@ def test_model_card_states_the_served_speed(tmp_path):
 
 
 STAND_IN_CLI = """
-import json, os, sys
+import json, os, sys, time
+if __name__ != "__main__" and os.environ.get("STAND_IN_TIMES"):  # the bench child's import
+    with open(os.environ["STAND_IN_TIMES"], "a") as f:
+        f.write(f"imported {time.time()}\\n")
+def serve(get):  # `vllm serve MODEL --port P ...`: /health answers after a delay, or exit 1
+    import http.server
+    if os.environ.get("STAND_IN_SERVE_FAIL"):
+        print("stand-in: no GPU", flush=True)
+        raise SystemExit(1)
+    time.sleep(1.5)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    srv = http.server.HTTPServer(("127.0.0.1", int(get("--port"))), Health)
+    with open(os.environ["STAND_IN_TIMES"], "a") as f:
+        f.write(f"ready {time.time()}\\n")
+    print("GPU KV cache size: 1,234 tokens", flush=True)
+    srv.serve_forever()
 def main():  # `vllm bench serve ARGS` as the child calls it: writes its result file
     a = sys.argv
-    assert a[1:3] == ["bench", "serve"], a
     get = lambda k: a[a.index(k) + 1]
+    if a[1] == "serve":
+        return serve(get)
+    assert a[1:3] == ["bench", "serve"], a
     with open(os.environ["STAND_IN_PIDS"], "a") as f:
         f.write(f"{os.getpid()}\\n")
     if int(get("--seed")) == int(os.environ.get("STAND_IN_FAIL_SEED", "-1")):
@@ -257,6 +279,8 @@ def main():  # `vllm bench serve ARGS` as the child calls it: writes its result 
     res = {"output_throughput": float(get("--seed")), "completed": int(get("--num-prompts"))}
     with open(os.path.join(get("--result-dir"), get("--result-filename")), "w") as f:
         json.dump(res, f)
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -306,3 +330,61 @@ def test_bench_failure_keeps_the_passes_before_it(tmp_path, monkeypatch):
     first = cfg.workloads[0].name
     assert [r["output_throughput"] for r in out.results[first]] == [7.0]
     assert (tmp_path / "raw" / f"cand-{first}-0.json").is_file()
+
+
+def test_bench_child_waits_for_the_server_then_runs_or_stops(tmp_path, monkeypatch):
+    """Started beside the server, the child runs no pass before `go` says so; `stop` (the
+    server failed to start) ends it without a pass."""
+    import threading
+    import time
+
+    bench = _stand_in_vllm(tmp_path, monkeypatch)
+    cfg = ServeGate(repeats=1, seed=7)
+    (tmp_path / "tmp").mkdir()
+    go, out = tmp_path / "go", perf.ServedRun(engine="vllm", gpu="x")
+    errors: list[BaseException] = []
+
+    def bench_in_thread() -> None:
+        try:
+            bench._bench("/m", 1234, cfg, tmp_path / "tmp", out, "cand", tmp_path / "raw", go)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    t = threading.Thread(target=bench_in_thread)
+    t.start()
+    time.sleep(1.5)
+    assert not (tmp_path / "pids").exists()  # waiting: no pass yet
+    go.write_text("go")
+    t.join(60)
+    assert not errors
+    assert [r["output_throughput"] for r in out.results[cfg.workloads[0].name]] == [7.0]
+
+    go.write_text("stop")
+    (tmp_path / "pids").unlink()
+    with pytest.raises(StageError, match="no result for"):
+        bench._bench("/m", 1234, cfg, tmp_path / "tmp", perf.ServedRun(engine="vllm", gpu="x"),
+                     "cand2", tmp_path / "raw", go)  # fmt: skip
+    assert not (tmp_path / "pids").exists()
+
+
+def test_bench_child_imports_while_the_server_starts(tmp_path, monkeypatch):
+    """VllmBench.run starts the benchmark child beside the server (vLLM's imports overlap the
+    server's start), runs the passes once the server answers, and keeps the server's log."""
+    bench = _stand_in_vllm(tmp_path, monkeypatch)
+    monkeypatch.setenv("STAND_IN_TIMES", str(tmp_path / "times"))
+    cfg = ServeGate(repeats=1, seed=7)
+    (tmp_path / "m").mkdir()
+    out = bench.run(tmp_path / "m", "cand", cfg, tmp_path / "raw")
+    times = dict(line.split() for line in (tmp_path / "times").read_text().splitlines())
+    assert float(times["imported"]) < float(times["ready"])
+    assert [r["output_throughput"] for r in out.results[cfg.workloads[-1].name]] == [7.0]
+    assert "GPU KV cache size: 1,234 tokens" in (tmp_path / "raw" / "cand-server.log").read_text()
+
+
+def test_a_server_that_fails_to_start_stops_the_bench_child(tmp_path, monkeypatch):
+    bench = _stand_in_vllm(tmp_path, monkeypatch)
+    monkeypatch.setenv("STAND_IN_SERVE_FAIL", "1")
+    (tmp_path / "m").mkdir()
+    with pytest.raises(StageError, match=r"exited \(1\) while starting: stand-in: no GPU"):
+        bench.run(tmp_path / "m", "cand", ServeGate(repeats=1), tmp_path / "raw")
+    assert not (tmp_path / "pids").exists()  # no pass ran

@@ -191,23 +191,36 @@ class VllmBench:
         return [self.python, "-m", "vllm.entrypoints.cli.main", *args]
 
     def run(self, model_dir: Path, label: str, cfg: ServeGate, raw_dir: Path | None) -> ServedRun:
+        """The server and the benchmark child start together: the child imports vLLM
+        (~25 s a model) while the server loads and compiles, and runs its passes once the
+        server answers (the `go` file); a server that fails to start stops it."""
         import tempfile
+        from concurrent.futures import ThreadPoolExecutor
 
         model = str(Path(model_dir).resolve())
         max_len = _max_model_len(Path(model_dir), cfg)
         port = _free_port()
-        with tempfile.TemporaryDirectory(prefix="qship-perf-") as tmp:
-            logf = Path(tmp) / "server.log"
+        with tempfile.TemporaryDirectory(prefix="qship-perf-") as tmp, \
+                ThreadPoolExecutor(2, thread_name_prefix="qship-perf") as pool:  # fmt: skip
+            logf, go = Path(tmp) / "server.log", Path(tmp) / "go"
             server = self._cli("serve", model, "--port", str(port), "--seed", str(cfg.seed),
                                "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
                                "--max-model-len", str(max_len), *_skip_args(Path(model_dir)))  # fmt: skip
             with open(logf, "wb") as fh:
                 proc = subprocess.Popen(server, stdout=fh, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # fmt: skip
+            out = ServedRun(engine="", gpu="")
+            engine = pool.submit(_engine, self.python)
+            bench = pool.submit(self._bench, model, port, cfg, Path(tmp), out, label, raw_dir, go)
             try:
-                self._wait(proc, port, logf, label)
-                out = ServedRun(engine=_engine(self.python), gpu=_gpu())
-                self._bench(model, port, cfg, Path(tmp), out, label, raw_dir)
+                try:
+                    self._wait(proc, port, logf, label)
+                except BaseException:
+                    go.write_text("stop")  # the child exits without a pass
+                    raise
+                go.write_text("go")
+                bench.result()
+                out.engine, out.gpu = engine.result(), _gpu()
             finally:
                 proc.terminate()
                 try:
@@ -238,10 +251,11 @@ class VllmBench:
                          path=str(logf), hint="see its log")  # fmt: skip
 
     def _bench(self, model: str, port: int, cfg: ServeGate, tmp: Path, out: ServedRun,
-               label: str, raw_dir: Path | None) -> None:  # fmt: skip
+               label: str, raw_dir: Path | None, go: Path | None = None) -> None:  # fmt: skip
         """Every workload's passes (a warm-up, not kept, then `repeats`) in one child of
         vLLM's environment (vllm_bench_child.py: vLLM imported once per model, not per pass);
-        each pass's result is written as it completes, into raw_dir when given."""
+        each pass's result is written as it completes, into raw_dir when given. With `go`,
+        the child imports vLLM, then waits for that file to say `go` (or `stop`)."""
         res_dir = raw_dir or tmp
         res_dir.mkdir(parents=True, exist_ok=True)
         passes: list[tuple[Workload, int | None, list[str]]] = []
@@ -263,8 +277,9 @@ class VllmBench:
         spec = tmp / "passes.json"
         spec.write_text(json.dumps([argv for _, _, argv in passes]))
         child = [self.python, str(Path(__file__).with_name("vllm_bench_child.py")), str(spec)]
+        child += [str(go)] if go is not None else []
         rc, output = log.run_child(child, label=f"vllm bench serve ({label})",
-                                   timeout=self.bench_timeout_s)  # fmt: skip
+                                   timeout=self.bench_timeout_s + self.start_timeout_s)  # fmt: skip
         for w, r, argv in passes:
             res_file = res_dir / argv[-1]
             if r is None or not res_file.is_file():
