@@ -56,7 +56,7 @@ def speed_fields(ev: EvalFile) -> dict[str, Any]:
     if p is None:
         return {"speed": None, "gpu": None, "weights_gib": None, "kv_cache_tokens": None}
     speed = {w.name: {"speedup": w.speedup, "output_tok_s": w.candidate.output_tok_s,
-                      "ttft_p99_ms": w.candidate.ttft_p99_ms,
+                      "speedup_range": w.speedup_range, "ttft_p99_ms": w.candidate.ttft_p99_ms,
                       "tpot_p50_ms": w.candidate.tpot_p50_ms} for w in p.workloads}  # fmt: skip
     return {"speed": speed, "gpu": f"{p.gpu}, {p.engine}",
             "weights_gib": p.candidate.weights_gib,
