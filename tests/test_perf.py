@@ -20,6 +20,7 @@ from cli_run import qship
 from factories import eval_file
 
 from pipeline import gate
+from pipeline.compare import plots
 from pipeline.compare.output import PERF_FILES, write_report
 from pipeline.compare.report import fastest, recommendation, summarise_rows, value
 from pipeline.compare.rows import row
@@ -242,10 +243,11 @@ class QwenRecordedRunner:
         return perf.ServedRun(engine="vllm 0.26.0", gpu="NVIDIA H100 80GB HBM3", results=res)
 
 
-def test_a_speed_up_inside_the_passes_spread_is_not_called_faster(tmp_path):
+def test_a_speed_up_inside_the_passes_spread_is_not_called_faster(tmp_path, monkeypatch):
     """Qwen's W4A8 serves 64 streams at a median 1.12x bf16's, but its passes (12.3k-13.9k
     tok/s) overlap bf16's (11.8k-12.9k): the report says no recipe is measurably faster, and a
-    recipe faster in every pair of passes (the 8B's W4A16, 1.09x) ranks above it."""
+    recipe faster in every pair of passes (the 8B's W4A16, 1.09x) ranks above it. The speed
+    plot draws that range as the point's bar."""
     res = perf.measure(tmp_path / "w4a8", tmp_path / "ref", ServeGate(), QwenRecordedRunner())
     w = res.by_name()["64-streams"]
     lo, hi = w.speedup_range
@@ -254,6 +256,12 @@ def test_a_speed_up_inside_the_passes_spread_is_not_called_faster(tmp_path):
     words = recommendation(summarise_rows(rows))
     assert (f"64-streams: none measurably faster than the 16-bit model (the fastest, "
             f"**w4a8-fp8** (W4A8-FP8), {w.speedup:.2f}x (its passes {lo:.2f}–{hi:.2f}x)") in words, words  # fmt: skip
+    figs = []
+    monkeypatch.setattr(plots, "_figure_png", lambda fig: figs.append(fig) or b"png")
+    plots.plot_speed(summarise_rows(rows))
+    bars = [c for ax in figs[0].axes if ax.get_title() == "64-streams" for c in ax.containers]
+    (seg,) = bars[0].lines[2][0].get_segments()  # the bar: (KL, lo) -> (KL, hi)
+    assert [round(y, 6) for _, y in seg] == [round(lo, 6), round(hi, 6)]
     w4 = perf.measure(tmp_path / "w4", tmp_path / "r8b", ServeGate(), RecordedRunner())
     w4_64 = w4.by_name()["64-streams"]
     assert w4_64.speedup_range[0] > 1 and w4_64.speedup < w.speedup

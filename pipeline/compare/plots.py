@@ -212,8 +212,9 @@ def plot_kl_distribution(report: dict) -> bytes | None:
 @_figure
 def plot_speed(report: dict) -> bytes | None:
     """Served speed-up over the 16-bit reference (y) vs mean KL (x, log): one panel per
-    workload, the Pareto front of the passing recipes drawn (faster and closer)."""
-    from .report import value, workloads
+    workload, the Pareto front of the passing recipes drawn (faster and closer), each point's
+    bar the speed-up's range over every pair of passes (a small model's passes spread ±20 %)."""
+    from .report import speedup_range, value, workloads
 
     rows = [r for r in report["rows"] if r.get("speed") and r.get("kl_mean")]
     wls = workloads(rows)
@@ -232,6 +233,10 @@ def plot_speed(report: dict) -> bytes | None:
         for kl, sp, r in pts:
             ok = r.get("passed") and not r.get("refused")
             ax.scatter([kl], [sp], s=36, color="C0" if ok else "C3", marker="o" if ok else "x")
+            rng = speedup_range(r, w)
+            if rng is not None and rng[1] > rng[0]:
+                ax.errorbar([kl], [sp], yerr=[[sp - rng[0]], [rng[1] - sp]], fmt="none",
+                            ecolor="C0" if ok else "C3", elinewidth=0.9, capsize=3, alpha=0.7)  # fmt: skip
             ax.annotate(r["name"], (kl, sp), xytext=(4, 3), textcoords="offset points", fontsize=7)
         if front:
             ax.plot(*zip(*front, strict=True), "-", color="C0", alpha=0.5, lw=1.2)
@@ -245,7 +250,8 @@ def plot_speed(report: dict) -> bytes | None:
         ax.set_title(w, fontsize=10)
         ax.grid(alpha=0.3)
     gpu = next((r["gpu"] for r in rows if r.get("gpu")), "")
-    fig.suptitle(f"Served speed-up vs quality ({gpu}); x: failed its gate", fontsize=10)
+    fig.suptitle(f"Served speed-up vs quality ({gpu}); x: failed its gate; bars: the range "
+                 "over every pair of passes", fontsize=10)  # fmt: skip
     return _figure_png(fig)
 
 
