@@ -50,6 +50,8 @@
 #            reference cached, then the rest at once; WAIT_FOR="gemma qwen r8b bench6" then)
 #   start-caps  the capped 8B runs again on cores 0-4 (after a fix), the waiter restarted to
 #            wait for them too
+#   after-speed MODEL  once the speed bench is done, start-MODEL and a speed bench of its own
+#            (e.g. SPEED_ONLY=1 RECIPES=… PERF_QWEN=… PERF_R8B=none SPEED="" after-speed qwen)
 #   probe-w4a8  vLLM's W4A8 kernel vs qship's simulation per Linear, for the models in $PROBE
 #   collect  what has finished, into $OUT (rows.tgz + log tails); WAIT=1 waits for the end
 set -uo pipefail
@@ -221,6 +223,14 @@ start-caps)  # the capped 8B runs again, on their own (after a fix), the waiter 
   WAIT_FOR="${WAIT_FOR:-gemma r8b} caps" bash bench/formats_session.sh waiter
   ;;
 run-caps) link; caps ;;
+after-speed)  # a second round once the running speed bench is done: start-$2 (gemma, qwen)
+  # with this call's RECIPES / SPEED_ONLY / PERF_* / SPEED, then its own speed bench (the
+  # first round's log kept as speed-HHMM.log); how the 8B and Qwen shared 2026-12-06's session
+  setsid nohup bash -c "while [ ! -f $S/speed.done ]; do sleep 2; done
+    mv $S/speed.log $S/speed-\$(date +%H%M).log; rm $S/speed.done
+    bash bench/formats_session.sh start-$2 && WAIT_FOR=$2 bash bench/formats_session.sh waiter" \
+    > "$S/after-speed.log" 2>&1 < /dev/null &
+  ;;
 waiter)
   setsid nohup bash -c "for j in ${WAIT_FOR:-gemma qwen r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
     sleep 5; while pgrep -f '^python3 -m pipeline.cli verify' > /dev/null; do sleep 3; done;
