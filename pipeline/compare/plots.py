@@ -213,7 +213,7 @@ def plot_kl_distribution(report: dict) -> bytes | None:
 def plot_speed(report: dict) -> bytes | None:
     """Served speed-up over the 16-bit reference (y) vs mean KL (x, log): one panel per
     workload, the Pareto front of the passing recipes drawn (faster and closer), each point's
-    bar the speed-up's range over every pair of passes (a small model's passes spread ±20 %)."""
+    bar the speed-up's range over every pair of passes (a small model's spread up to ±20 %)."""
     from .report import speedup_range, value, workloads
 
     rows = [r for r in report["rows"] if r.get("speed") and r.get("kl_mean")]

@@ -51,7 +51,7 @@ class WorkloadPerf(Record):
         """The speed-up over every pair of repeats: the candidate's slowest pass over the
         reference's fastest, its fastest over the reference's slowest (None without repeats).
         A range holding 1 is a speed-up the passes' spread does not show (a small model's
-        launch-bound passes spread ±15 %: Qwen2.5-Coder-0.5B, H100, 2026-12-06)."""
+        launch-bound passes spread up to ±20 %: Qwen2.5-Coder-0.5B, H100, 2026-12-06)."""
         c = [x["output_tok_s"] for x in self.candidate.repeats if "output_tok_s" in x]
         r = [x["output_tok_s"] for x in self.reference.repeats if "output_tok_s" in x]
         if not c or not r or min(r) <= 0:
