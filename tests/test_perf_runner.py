@@ -23,7 +23,7 @@ def serve(get):  # `vllm serve MODEL --port P ...`: /health answers after a dela
     if os.environ.get("STAND_IN_SERVE_FAIL"):
         print("stand-in: no GPU", flush=True)
         raise SystemExit(1)
-    time.sleep(1.5)
+    time.sleep(3)  # the bench child, started beside it, imports well within this
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200)
