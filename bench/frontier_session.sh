@@ -12,8 +12,9 @@
 #             levers, the GPTQ base tuned, the rotation lever, then the benchmark subsets of
 #             gptq-w4 vs the tuned Gemma recipe -> $S/frontier.log
 #   moe       in the background: a random Qwen3-30B-A3B-shaped model (MOE_LAYERS of its 48
-#             layers), bench/scale_bench.py quantize (weights on the GPU, then --offload cpu)
-#             and the KL -> $S/moe.log
+#             layers), bench/scale_bench.py quantize for each of MOE_VARIANTS (default
+#             `none`: weights on the GPU; `none cpu`: also --offload cpu; MOE_PARALLEL=1 side
+#             by side) and the KL -> $S/moe.log
 #   artune    in the background, two jobs at once: `qship tune` at 4.25 bpw on the AutoRound
 #             base for Gemma, then its benchmark subsets beside gptq-w4 (artune_gemma.log); Qwen's
 #             gptq-w4 and `qship tune` within its bits on the GPTQ and the AutoRound bases
@@ -151,10 +152,13 @@ moe() {
   M=$S/moe
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
   [ -f "$M/config.json" ] || python3 bench/make_random_llama.py "$M" --moe "${MOE_LAYERS:-4}" || exit 1
-  for v in ${MOE_VARIANTS:-none}; do
-    python3 bench/scale_bench.py quantize --model "$M" --recipe $L/gemma-mixed-w4.yaml --work "$S/scale-moe" --variant $v
-    echo "== moe $v rc $?"
+  for v in ${MOE_VARIANTS:-none}; do  # MOE_PARALLEL=1: the variants side by side (device
+    # time: 24 layers are ~14 min each, 46 + 17 GB of GPU memory; each time then an upper bound)
+    ( python3 bench/scale_bench.py quantize --model "$M" --recipe $L/gemma-mixed-w4.yaml --work "$S/scale-moe" --variant $v
+      echo "== moe $v rc $?" ) &
+    [ "${MOE_PARALLEL:-0}" = 1 ] || wait
   done
+  wait
   python3 bench/scale_bench.py kl --model "$M" --recipe $L/gemma-mixed-w4.yaml --work "$S/scale-moe" --out "$S/scale_moe.json"
   echo "== moe kl rc $?"
 }
