@@ -269,6 +269,15 @@ def test_a_speed_up_inside_the_passes_spread_is_not_called_faster(tmp_path, monk
     assert fastest(rows)["64-streams"] == "w4-g128"
 
 
+def test_terminal_lines_give_each_speed_up_with_its_range_over_the_passes(tmp_path):
+    from pipeline.records.perf import perf_lines
+
+    res = perf.measure(tmp_path / "c", tmp_path / "r", ServeGate(), RecordedRunner())
+    for w, line in zip(res.workloads, perf_lines(res)[1:], strict=False):
+        lo, hi = w.speedup_range
+        assert f"{w.speedup:5.2f}x ({lo:.2f}–{hi:.2f}x over the passes)" in line, line
+
+
 def test_model_card_states_the_served_speed(tmp_path):
     from pipeline.artifact import model_card
 
@@ -281,5 +290,7 @@ def test_model_card_states_the_served_speed(tmp_path):
     assert "## Served speed (vllm 0.26.0, NVIDIA H100 80GB HBM3)" in card
     sp = res.workloads[0].speedup
     assert "| 1-stream | 256 → 128, 1 |" in card and f"{sp:.2f}x" in card
+    lo, hi = res.workloads[1].speedup_range  # the recorded 64-stream passes: 1.05-1.13x
+    assert f"| {lo:.2f}–{hi:.2f}x |" in card and lo < res.workloads[1].speedup < hi
     assert "Weights on the GPU: 5.32 GiB (16-bit: 14.96)" in card
     assert "MacheteLinearKernel for CompressedTensorsWNA16" in card

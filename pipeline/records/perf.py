@@ -97,8 +97,11 @@ def perf_lines(p: ServedPerf) -> list[str]:
     out = [f"served performance ({p.engine}, {p.gpu}; median of the repeats):"]
     for w in p.workloads:
         c, r = w.candidate, w.reference
+        rng = w.speedup_range
         out.append(
-            f"  {w.name:<12} {w.speedup:5.2f}x  {c.output_tok_s:8.0f} tok/s (ref {r.output_tok_s:.0f})"
+            f"  {w.name:<12} {w.speedup:5.2f}x"
+            + (f" ({rng[0]:.2f}–{rng[1]:.2f}x over the passes)" if rng else "")
+            + f"  {c.output_tok_s:8.0f} tok/s (ref {r.output_tok_s:.0f})"
             f"  TTFT p50/p99 {c.ttft_p50_ms:.1f}/{c.ttft_p99_ms:.1f} ms (ref "
             f"{r.ttft_p50_ms:.1f}/{r.ttft_p99_ms:.1f})  TPOT p50 {c.tpot_p50_ms:.2f} ms "
             f"(ref {r.tpot_p50_ms:.2f})"
