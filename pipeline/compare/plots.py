@@ -233,9 +233,9 @@ def plot_speed(report: dict) -> bytes | None:
         for kl, sp, r in pts:
             ok = r.get("passed") and not r.get("refused")
             ax.scatter([kl], [sp], s=36, color="C0" if ok else "C3", marker="o" if ok else "x")
-            rng = speedup_range(r, w)
-            if rng is not None and rng[1] > rng[0]:
-                ax.errorbar([kl], [sp], yerr=[[sp - rng[0]], [rng[1] - sp]], fmt="none",
+            lo, hi = speedup_range(r, w)
+            if hi > lo:
+                ax.errorbar([kl], [sp], yerr=[[sp - lo], [hi - sp]], fmt="none",
                             ecolor="C0" if ok else "C3", elinewidth=0.9, capsize=3, alpha=0.7)  # fmt: skip
             ax.annotate(r["name"], (kl, sp), xytext=(4, 3), textcoords="offset points", fontsize=7)
         if front:

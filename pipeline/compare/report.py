@@ -239,10 +239,12 @@ def value(row: dict, key: str) -> Any:
     return row.get(key)
 
 
-def speedup_range(row: dict, workload: str) -> tuple[float, float] | None:
-    """The row's speed-up over every pair of passes (records/perf.py), None when unknown."""
+def speedup_range(row: dict, workload: str) -> tuple[float, float]:
+    """A measured workload's speed-up over every pair of passes (records/perf.py); the
+    median alone (lo = hi) for a record without its passes."""
     rng = ((row.get("speed") or {}).get(workload) or {}).get("speedup_range")
-    return (rng[0], rng[1]) if rng else None
+    sp = value(row, f"speed:{workload}")
+    return (rng[0], rng[1]) if rng else (sp, sp)
 
 
 def fastest(rows: list[dict]) -> dict[str, str]:
@@ -253,8 +255,7 @@ def fastest(rows: list[dict]) -> dict[str, str]:
         ok = [r for r in _eligible(rows) if value(r, f"speed:{w}") is not None]
 
         def key(r: dict, w: str = w) -> tuple[bool, float, float]:
-            sp = value(r, f"speed:{w}")
-            return ((speedup_range(r, w) or (sp, sp))[0] > 1, sp, -r["kl_mean"])
+            return (speedup_range(r, w)[0] > 1, value(r, f"speed:{w}"), -r["kl_mean"])
 
         if ok:
             out[w] = max(ok, key=key)["name"]
@@ -271,7 +272,7 @@ def speed_words(report: dict) -> str:
     for w, n in (report.get("fastest") or {}).items():
         r = by_name[n]
         sp = value(r, "speed:" + w)
-        lo, hi = speedup_range(r, w) or (sp, sp)
+        lo, hi = speedup_range(r, w)
         spread = f" (its passes {lo:.2f}–{hi:.2f}x)" if lo <= 1 <= hi else ""
         said = f"**{n}** ({r.get('formats') or '?'}), {sp:.2f}x{spread}, KL {r['kl_mean']:.3g}"
         if lo > 1:
