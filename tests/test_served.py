@@ -353,3 +353,54 @@ def test_rounded_activations_hold_served_vs_measured_to_the_rounding_floor():
     assert rounded.thresholds["recipe_min_top1"] == 0.9
     worse = check(_agreeing_engine(m, 6), m, **limits, activations=True)  # 0.4 < 0.49
     assert not worse.passed and "top-1 0.4000 < min_top1 0.49" in worse.failures[0]
+
+
+SERVED_ROWS = Path(__file__).parent / "fixtures" / "served_rows"
+
+
+def test_a_stored_check_judged_again_by_todays_rule():
+    """The default mixed recipe's Qwen2.5-Coder-0.5B check of the H200 (2026-12-06 07:20,
+    before the rounding floor covered an FP8 KV cache) failed on top-1 0.8994 < 0.90; judged
+    again from its stored figures it passes (limit 0.786² ≈ 0.618), and a check already
+    judged by the rule keeps its verdict."""
+    from pipeline.evaluate.served import rejudge
+    from pipeline.records.served import ServedCheck
+
+    data = json.loads((SERVED_ROWS / "qwen-gemma-mixed-w4-served.json").read_text())
+    stored = ServedCheck.from_json(data["result"]["served"], where="fixture")
+    assert not stored.passed and stored.thresholds["min_top1"] == 0.9
+    again = rejudge(stored, activations=True)
+    assert again.passed, again.failures
+    assert again.thresholds["min_top1"] == pytest.approx(stored.measured_vs_reference.top1**2)
+    assert again.thresholds["recipe_min_top1"] == 0.9
+    assert rejudge(again, activations=True).thresholds == again.thresholds  # the recipe's kept
+    no_floor = rejudge(again, activations=False)
+    assert not no_floor.passed and "top-1 0.8994 < min_top1 0.9" in no_floor.failures[0]
+    bumped = again.model_copy(update={"served_kl_increase": 0.06})
+    assert not rejudge(bumped, activations=True).passed  # the served quality still held
+
+
+def test_a_session_report_joins_each_recipes_served_check(tmp_path):
+    """bench/perf_collect.py puts each row's served check (verify's JSON) in its eval.json and
+    verdict, judged by today's rule, so the compare report's "passes its gate" includes it;
+    a row whose verify stopped before serving says so."""
+    import subprocess
+    import sys
+
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    for f in SERVED_ROWS.iterdir():
+        (rows / f.name).write_bytes(f.read_bytes())
+    (rows / "qwen-w8-int8-served.json").write_text(json.dumps(
+        {"error": "EngineError", "exit_code": 1, "message": "vLLM did not start"}))  # fmt: skip
+    out = tmp_path / "joined"
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "perf_collect.py"), str(rows),
+                          "qwen", str(tmp_path / "no-perf"), str(out)], cwd=ROOT,
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "gemma-mixed-w4 (+ served check passed)" in res.stdout
+    mixed = json.loads((out / "gemma-mixed-w4" / "eval.json").read_text())
+    assert mixed["served"]["passed"] and mixed["verdict"]["passed"]
+    assert {c["name"] for c in mixed["verdict"]["checks"]} >= {"serve.min_top1", "serve.max_kl"}
+    w8 = json.loads((out / "w8-int8" / "eval.json").read_text())
+    assert w8["served"] is None and "vLLM did not start" in w8["served_skipped"]

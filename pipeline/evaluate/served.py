@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .. import log
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UsageError
 from ..io.hashing import sha256_file
 from ..model.checkpoint import text_config
 from ..recipe import ServeGate
@@ -204,6 +204,25 @@ def check(
     meas_ref = _figures(_kl(measured["ref_logp"], measured["ref_tail"], measured["cand_at_ref"]),
                         measured["cand_ids"][:, 0].long() == ref_top1)  # fmt: skip
     increase = vs_ref.kl_mean / meas_ref.kl_mean - 1 if meas_ref.kl_mean > 0 else 0.0
+    limits, failures = judge(vs_meas, vs_ref, meas_ref, increase, max_kl=max_kl,
+                             min_top1=min_top1, max_kl_increase=max_kl_increase,
+                             activations=activations)  # fmt: skip
+    return ServedCheck(
+        engine=engine.name, kv_cache_dtype=kv_cache_dtype, served_vs_measured=vs_meas,
+        served_vs_reference=vs_ref, measured_vs_reference=meas_ref, served_kl_increase=increase,
+        missing=missing, positions=int(want.shape[0]), passed=not failures,
+        thresholds=limits,
+        failures=failures, seconds={"load": round(load_s, 2), "score": round(score_s, 2)},
+        facts=dict(engine.facts),
+    )  # fmt: skip
+
+
+def judge(
+    vs_meas: KLFigures, vs_ref: KLFigures, meas_ref: KLFigures, increase: float, *,
+    max_kl: float, min_top1: float, max_kl_increase: float, activations: bool,
+) -> tuple[dict[str, float], list[str]]:  # fmt: skip
+    """The limits applied (the recipe's, widened by `rounding_floor` when `activations`) and
+    what exceeded them."""
     limits = {"max_kl": max_kl, "min_top1": min_top1, "max_kl_increase": max_kl_increase}
     if activations:
         limits.update(rounding_floor(max_kl, min_top1, meas_ref))
@@ -219,14 +238,26 @@ def check(
     if not increase <= max_kl_increase:
         failures.append(f"served KL to the reference is {increase:+.1%} of the measured "
                         f"(> max_kl_increase {max_kl_increase:.0%})")  # fmt: skip
-    return ServedCheck(
-        engine=engine.name, kv_cache_dtype=kv_cache_dtype, served_vs_measured=vs_meas,
-        served_vs_reference=vs_ref, measured_vs_reference=meas_ref, served_kl_increase=increase,
-        missing=missing, positions=int(want.shape[0]), passed=not failures,
-        thresholds=limits,
-        failures=failures, seconds={"load": round(load_s, 2), "score": round(score_s, 2)},
-        facts=dict(engine.facts),
+    return limits, failures
+
+
+def rejudge(chk: ServedCheck, *, activations: bool) -> ServedCheck:
+    """A stored check held to today's rule with the recipe limits it recorded: a session's
+    served figures judged again after the rule changed (the rounding floor came after
+    2026-12-06 07:20's checks), without serving again."""
+    t = chk.thresholds
+    missing = {"max_kl", "min_top1", "max_kl_increase"} - set(t)
+    if missing:
+        raise UsageError(f"the served check records no {', '.join(sorted(missing))} threshold",
+                         hint="judge it again from a check written by qship verify --serve")  # fmt: skip
+    limits, failures = judge(
+        chk.served_vs_measured, chk.served_vs_reference, chk.measured_vs_reference,
+        chk.served_kl_increase, max_kl=t.get("recipe_max_kl", t["max_kl"]),
+        min_top1=t.get("recipe_min_top1", t["min_top1"]), max_kl_increase=t["max_kl_increase"],
+        activations=activations,
     )  # fmt: skip
+    return chk.model_copy(update={"thresholds": limits, "failures": failures,
+                                  "passed": not failures})  # fmt: skip
 
 
 def rounding_floor(max_kl: float, min_top1: float, meas_ref: KLFigures) -> dict[str, float]:
