@@ -62,6 +62,7 @@ def quantize(a: argparse.Namespace) -> None:
         "cuda_phases_gb": {k: v.max_allocated_bytes / 1e9 for k, v in (pm.cuda_phases or {}).items()},
         "rank_cuda_max_allocated_gb": [(p.cuda_max_allocated_bytes or 0) / 1e9 for p in qc.rank_peak_memory],
         "peak_rss_gb": pm.peak_rss_bytes / 1e9,
+        "host_phases": {k: v.to_json() for k, v in pm.host_phases.items()},
         "self_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
         "predicted": est.to_json(),
         "bits_per_weight": qc.checkpoint.bits_per_weight_quantized,
@@ -99,7 +100,10 @@ def kl(a: argparse.Namespace) -> None:
         rows.append(row)
         print(f"{row['variant']:8s} wall {row['wall_s']:7.1f} s  GPU {row['cuda_max_allocated_gb']:6.2f} GB  "
               f"RSS {row['peak_rss_gb']:6.1f} GB  KL {m.kl.mean:.5f} ± {m.kl.stderr:.5f}  top1 {m.top1_agreement:.4f}")  # fmt: skip
-    Path(a.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
+        # after every row: a machine lost during the next one keeps this one's KL
+        Path(a.out).write_text(
+            json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2)
+        )
 
 
 def main() -> None:
