@@ -124,8 +124,10 @@ def test_gpu_cap_on_a_device_named_without_index(monkeypatch):
 def test_the_time_term_holds_the_measured_dense_rows():
     """gemma-mixed-w4 on the H200 with the weights on the GPU: Gemma 3 270M 10.5 s and the
     8B-dims Llama 79.5 s (bench/RESULTS.md, "Resource estimate"), --offload cpu on the 8B
-    86.7 s; 2 layers of Qwen3-30B-A3B dims 81.2 s (the GPU shared). The method-weighted
-    parameters with the constants fitted before them predicted 54 s for the 8B (-32 %)."""
+    86.7 s; 2 layers of Qwen3-30B-A3B dims 81.2 s (the GPU shared), 8 layers 378.1 s and
+    385.0 s with --offload cpu (H100, both at once). The method-weighted parameters with the
+    constants fitted before them predicted 54 s for the 8B (-32 %); a dense Linear's cost for
+    an expert's predicted the 8 MoE layers at 266 s (-30 %)."""
     from transformers import Gemma3TextConfig
 
     from pipeline.quantize import plan_for_config
@@ -138,7 +140,28 @@ def test_the_time_term_holds_the_measured_dense_rows():
                              vocab_size=262144)  # fmt: skip
     llama = llama8b_config()
     rows = [(gemma, "none", 10.5, 0.10), (llama, "none", 79.5, 0.10), (llama, "cpu", 86.7, 0.10),
-            (moe_config(2), "none", 81.2, 0.25)]  # fmt: skip
+            (moe_config(2), "none", 81.2, 0.25), (moe_config(8), "none", 378.1, 0.25),
+            (moe_config(8), "cpu", 385.0, 0.25)]  # fmt: skip
     for cfg, offload, measured, within in rows:
         s = estimate(plan_for_config(cfg, r), cfg, r, "cuda", offload=offload).quantize_s
         assert abs(s - measured) <= within * measured, (cfg.model_type, offload, s, measured)
+
+
+def test_an_moe_models_host_and_gpu_peaks_hold_the_measured_rows():
+    """8 layers of Qwen3-30B-A3B dims, gemma-mixed-w4 (H100, 2026-12-06, bench/RESULTS.md):
+    GPU 26.16 GB with the weights on it, 16.96 GB with --offload cpu; host anonymous peaks
+    20.0 and 35.3 GB, which W (+ Q) + R alone predicted at 13.2 and 17.0 GB: a plan would
+    have admitted the offloaded run on a host with 20 GB free."""
+    from pipeline.quantize import plan_for_config
+    from pipeline.quantize.estimate import estimate
+    from pipeline.recipe import load_recipe
+
+    r = load_recipe(ROOT / "recipes" / "gemma-mixed-w4.yaml")
+    cfg = moe_config(8)
+    for offload, gpu, host in (("none", 26.16e9, 20.0e9), ("cpu", 16.96e9, 35.3e9)):
+        est = estimate(plan_for_config(cfg, r), cfg, r, "cuda", offload=offload)
+        assert abs(est.quantize_gpu_bytes - gpu) <= 0.1 * gpu, (offload, est.quantize_gpu_bytes)
+        assert abs(est.quantize_cpu_bytes - host) <= 0.1 * host, (offload, est.quantize_cpu_bytes)
+    dense = estimate(plan_for_config(llama8b_config(), r), llama8b_config(), r, "cuda",
+                     offload="cpu")  # fmt: skip
+    assert dense.quantize_cpu_bytes < 1.6 * 16.06e9  # no MoE term on a dense model

@@ -6,9 +6,10 @@
                 GPTQ's batched compression of same-shape modules (_gptq_batches: the MoE
                 term) + AWQ's eager attention scores (B · heads · S² · 4) + C
       reload  = W + Q + C (the saved checkpoint reloaded and decompressed for the check)
-    CPU peak  = W (loaded on the host first; fp32 on a CPU run) + R
-    time      = layers · (a · layer's quantized Linears + b · layer params · N·S / 65,536)
-                on a GPU,
+    CPU peak  = W (loaded on the host first; fp32 on a CPU run) + R (+ an MoE model's
+                MOE_HOST · expert weights on a GPU run)
+    time      = a · quantized Linears (a' for an MoE expert's) + layers · b · layer params
+                · N·S / 65,536 on a GPU,
                 layers · k · layer params · N·S on a CPU
 
 With --offload cpu|disk the weights stay off the GPU and one decoder layer (or the
@@ -39,9 +40,10 @@ the mixed recipe the constants were fitted on (METHOD_COST): on the 2-core CPU (
 mixed recipe 181.8 s; on the H200 (128 x 512 tokens) RTN 8.4 s, GPTQ 7.9-10.6 s, AWQ 16.3 s,
 mixed 15.5 s and AutoRound 272.3 s (about 25x GPTQ). A module kept 16-bit costs nothing.
 MoE: on 2 layers of Qwen3-30B-A3B dims (128 experts of 2048x768) the GPU peak measured
-18.67 GB; without the batched compression the estimate said 9.44 GB, with it 18.6 GB. The
-oneshot time there (81.2 s wall for the whole quantize, the GPU shared part of the time)
-is the per-Linear term's only MoE point so far (bench/RESULTS.md).
+18.67 GB; without the batched compression the estimate said 9.44 GB, with it 18.6 GB; on 8
+layers (H100, 2026-12-06) 26.16 GB measured / 26.04 predicted, and 16.96 / 17.32 with
+--offload cpu. An expert Linear's time (A_EXPERT_S) and the host memory an MoE model holds
+beyond W (MOE_HOST x its expert weights) are fitted on those 8 layers (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -61,6 +63,16 @@ R_CPU = 2.0 * GB
 # hundreds of expert Linears); refit once METHOD_COST weighted the parameters (the constants
 # fitted before it, 0.425 / 7 and 8.14e-9, then predicted the 8B at 54 s)
 A_S, B_S, TOKENS_REF = 0.525 / 7, 1.262e-8, 65_536
+# an MoE expert Linear costs more than a dense one: its reload check alone took 223 of the
+# 378 s on 8 Qwen3-30B-A3B-dims layers (3,072 expert Linears; H100, the GPU and host shared
+# with the --offload cpu run); fitted there, 2 layers' 81.2 s then predicted at +10 %
+A_EXPERT_S = 0.105
+# host bytes per byte of expert weights beyond W (+ Q), measured on those 8 layers (H100,
+# 2026-12-06): anonymous peaks 20.0 GB with the weights on the GPU (13.2 predicted without
+# it), 35.3 GB with --offload cpu (17.0), in load and calibration. Fitted, cause not isolated:
+# on the CPU the linearization itself holds 1.0x W (the fused experts are freed); the GPU
+# path adds the page-locked copies (rounded up to powers of two: a 3.1 MB expert takes 4 MB)
+MOE_HOST = {"none": 0.7, "cpu": 1.9, "disk": 1.9}
 K_CPU = 2.2e-10
 T_OFFLOAD = 0.7e-9
 # seconds per parameter-token of each method / the mixed recipe's (the fit above)
@@ -138,16 +150,18 @@ def estimate(
     if not gpu:
         offload = "disk" if offload == "disk" else "none"
     resident = w if offload == "none" else 2 * unit
+    quantized = [m for m in in_layers if m.method != "none"]
+    experts = [m for m in quantized if m.role == "experts"]
+    expert_bytes = sum(m.in_features * m.out_features * 2 for m in experts)
     if gpu:
         oneshot = resident + acts + hess + awq + C_GPU
         q_gpu: int | None = int(max(oneshot, resident + (q if offload == "none" else 0) + C_GPU))
-        per_layer_modules = sum(1 for m in in_layers if m.method != "none") / layers
-        seconds = layers * (
-            A_S * per_layer_modules + B_S * timed_params * tokens / ranks / TOKENS_REF
-        )
+        seconds = A_S * (len(quantized) - len(experts)) + A_EXPERT_S * len(experts)
+        seconds += layers * B_S * timed_params * tokens / ranks / TOKENS_REF
         if offload != "none":
             seconds += layers * T_OFFLOAD * layer_params * 2
         cpu = {"none": w, "cpu": w + q, "disk": unit}[offload] + R_CPU * ranks
+        cpu += MOE_HOST[offload] * expert_bytes
         # one model resident, a batch of fp32 logits and their float64 log-softmax (chunked)
         e_gpu: int | None = int(
             resident + ev.batch_size * ev.seq_len * vocab * 4 + 128 * vocab * 8 * 2 + C_GPU
