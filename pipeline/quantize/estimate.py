@@ -150,10 +150,10 @@ def estimate(
     if not gpu:
         offload = "disk" if offload == "disk" else "none"
     resident = w if offload == "none" else 2 * unit
-    quantized = [m for m in in_layers if m.method != "none"]
-    experts = [m for m in quantized if m.role == "experts"]
-    expert_bytes = sum(m.in_features * m.out_features * 2 for m in experts)
     if gpu:
+        quantized = [m for m in in_layers if m.method != "none"]
+        experts = [m for m in quantized if m.role == "experts"]
+        expert_bytes = sum(m.in_features * m.out_features * 2 for m in experts)  # bf16
         oneshot = resident + acts + hess + awq + C_GPU
         q_gpu: int | None = int(max(oneshot, resident + (q if offload == "none" else 0) + C_GPU))
         seconds = A_S * (len(quantized) - len(experts)) + A_EXPERT_S * len(experts)
