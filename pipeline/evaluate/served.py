@@ -32,6 +32,7 @@ from ..errors import IntegrityError, UsageError
 from ..io.hashing import sha256_file
 from ..model.checkpoint import text_config
 from ..recipe import ServeGate
+from ..records.evaluation import CandidateRef
 from ..records.served import KLFigures, MeasuredInfo, ServedCheck
 from .kl_stats import CHUNK, LOG_FLOOR, _tail_logmass
 from .scoring import kv_scheme, quantizes_activations
@@ -305,6 +306,12 @@ def rounds_at_run_time(model_dir: Path) -> bool:
     0.018 / 0.90-0.91, its served KL to the reference within 1.2 % of the measured both times
     (bench/RESULTS.md, H200 session 2026-12-06)."""
     return quantizes_activations(model_dir, query=False) or kv_scheme(model_dir) is not None
+
+
+def evaluated_rounds_at_run_time(candidate: CandidateRef) -> bool:
+    """The same from what an evaluation record says it simulated (Linear inputs rounded as
+    vLLM does, a KV scheme), for rows whose checkpoint is not at hand (a GPU session's)."""
+    return candidate.served_linear_modules > 0 or candidate.kv_cache_scheme is not None
 
 
 def _vocab_size(model_dir: Path) -> int | None:
