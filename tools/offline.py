@@ -1,7 +1,7 @@
 """Getting qship onto a GPU host without internet (README "GPU host without internet").
 
     python tools/offline.py wheelhouse requirements/gpu.lock DIR   # online: every locked file
-    python tools/offline.py split FILE DIR [--size 52000000]       # big file -> parts + manifest
+    python tools/offline.py split FILE DIR [--size 40000000]       # big file -> parts + manifest
     python tools/offline.py join DIR [OUT]                         # parts -> file, sha256-checked
 
 `wheelhouse` downloads each pinned distribution of a hash-locked requirements file for a
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("split")
     s.add_argument("file", type=Path)
     s.add_argument("dest", type=Path)
-    s.add_argument("--size", type=int, default=52_000_000)
+    s.add_argument("--size", type=int, default=40_000_000)
     j = sub.add_parser("join")
     j.add_argument("src", type=Path)
     j.add_argument("out", type=Path, nargs="?")
