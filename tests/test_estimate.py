@@ -165,3 +165,19 @@ def test_an_moe_models_host_and_gpu_peaks_hold_the_measured_rows():
     dense = estimate(plan_for_config(llama8b_config(), r), llama8b_config(), r, "cuda",
                      offload="cpu")  # fmt: skip
     assert dense.quantize_cpu_bytes < 1.6 * 16.06e9  # no MoE term on a dense model
+
+
+def test_disk_offload_holds_the_packed_checkpoint_for_the_reload_check():
+    """With --offload disk the reload check reads the packed checkpoint into host memory
+    (checks.verify_reload loads it with offload cpu): the host peak is at least Q, not the
+    one layer the calibration holds (a 70B's ~37 GB checkpoint was planned at 4 GB)."""
+    from pipeline.quantize import plan_for_config
+    from pipeline.quantize.estimate import estimate
+    from pipeline.recipe import load_recipe
+
+    r = load_recipe(ROOT / "recipes" / "gemma-mixed-w4.yaml")
+    for cfg in (llama8b_config(), moe_config(8)):
+        plan = plan_for_config(cfg, r)
+        est = estimate(plan, cfg, r, "cuda", offload="disk")
+        q = plan.expected_checkpoint_bytes
+        assert q + 2e9 <= est.quantize_cpu_bytes <= q + 2e9 + 2.5e9, (cfg.model_type, est)

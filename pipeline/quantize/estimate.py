@@ -19,7 +19,8 @@ seconds per byte of layer (time); the host holds W + Q + R with cpu (8B dims on 
 23.8 GB predicted; measured 20.1 GB anonymous, the calibration's peak, since the reload
 check decompresses one module at a time (7.6 GB; 21.5 when it decompressed the whole
 model, 40.6 before it stopped pinning and the cached page-locked blocks were released):
-the Q term is headroom) or only L + R with disk.
+the Q term is headroom) or max(L, Q) + R with disk (the reload check reads the packed
+checkpoint into host memory: checks.verify_reload).
 `auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
 fits free host memory, else disk.
 
@@ -69,10 +70,13 @@ A_S, B_S, TOKENS_REF = 0.525 / 7, 1.262e-8, 65_536
 A_EXPERT_S = 0.105
 # host bytes per byte of expert weights beyond W (+ Q), measured on those 8 layers (H100,
 # 2026-12-06): anonymous peaks 20.0 GB with the weights on the GPU (13.2 predicted without
-# it), 35.3 GB with --offload cpu (17.0), in load and calibration. Fitted, cause not isolated:
-# on the CPU the linearization itself holds 1.0x W (the fused experts are freed); the GPU
-# path adds the page-locked copies (rounded up to powers of two: a 3.1 MB expert takes 4 MB)
-MOE_HOST = {"none": 0.7, "cpu": 1.9, "disk": 1.9}
+# it), 35.3 GB with --offload cpu (17.0), in load and calibration. Both causes were found
+# and removed after (4 layers, H100 2026-12-06 16:56: 3.05x W at load, now 1.13x): the
+# experts fused on load and split again (model/moe.py now reads them per expert) and the
+# page-locked copies rounded up to powers of two (now packed, model/pinning.py). Kept until
+# a full run refits them: they now over-predict. Disk offload has neither (nothing pinned,
+# nothing fused) and was never measured: no term.
+MOE_HOST = {"none": 0.7, "cpu": 1.9, "disk": 0.0}
 K_CPU = 2.2e-10
 T_OFFLOAD = 0.7e-9
 # seconds per parameter-token of each method / the mixed recipe's (the fit above)
@@ -160,7 +164,7 @@ def estimate(
         seconds += layers * B_S * timed_params * tokens / ranks / TOKENS_REF
         if offload != "none":
             seconds += layers * T_OFFLOAD * layer_params * 2
-        cpu = {"none": w, "cpu": w + q, "disk": unit}[offload] + R_CPU * ranks
+        cpu = {"none": w, "cpu": w + q, "disk": max(unit, q)}[offload] + R_CPU * ranks
         cpu += MOE_HOST[offload] * expert_bytes
         # one model resident, a batch of fp32 logits and their float64 log-softmax (chunked)
         e_gpu: int | None = int(
