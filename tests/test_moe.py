@@ -104,3 +104,16 @@ def test_post_save_check_proves_expert_scales_finite_and_nonzero(quantized, tmp_
     with pytest.raises(IntegrityError) as e:
         inspect_checkpoint(art)
     assert name in e.value.message and "not finite and positive" in e.value.message
+
+
+def test_reading_experts_per_expert_writes_the_same_checkpoint(tiny_moe, tokens, quantized,
+                                                                tmp_path, monkeypatch):  # fmt: skip
+    """The direct per-expert load (model/moe.py) is a memory fix only: quantizing after the
+    old fuse-then-split load writes the same checkpoint, byte for byte (model hash)."""
+    import contextlib
+
+    from pipeline.model import loading
+
+    monkeypatch.setattr(loading, "_experts", lambda path, linear: contextlib.nullcontext())
+    old = quantize(tiny_moe, recipe(), tmp_path / "old", tokens=tokens, device="cpu")
+    assert old.model_hash == quantized.model_hash
