@@ -15,6 +15,7 @@
 #   .devstash8      vLLM's part 2 (FlashAttention-3, the other dependency wheels)
 #   .devstash9      p3whl: what `vllm serve` imports beyond the pack; cudab: cuda-bindings
 #   .devstash10     p4whl: the humming kernels vLLM picks for FP8 W8A16 layers
+#   .devstash11     p5whl: nvcc, with which they compile
 # VLLM_PACK=DIR names the folder holding vLLM's packer (pack_vllm.sh, fetch_deps.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +67,8 @@ if ! have .devstash9; then
   dl .devstash9/cudab cuda-bindings==13.5.0
 fi
 have .devstash10 || dl .devstash10/p4whl humming-kernels==0.1.10 pyelftools==0.33 \
-  nvidia-cuda-nvcc==13.5.37 nvidia-cuda-cccl==13.3.5.0.6
+  nvidia-cuda-cccl==13.3.5.0.6
+have .devstash11 || dl .devstash11/p5whl nvidia-cuda-nvcc==13.5.37  # 47 MB: a call of its own
 du -sh .whl .qship-gpu .benchcache .devstash* | sort -k2
 # each call carries the working tree (tracked and untracked-not-ignored files) beside a carry
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2> /dev/null | tail -1 | cut -f1)

@@ -11,8 +11,9 @@
 # what `vllm serve` imports beyond that pack in .devstash9/p3whl (model-hosting-container-
 # standards 0.1.16, jmespath, supervisor: `pip download --no-deps`; cuda-bindings 13.5.0 in
 # .devstash9/cudab, installed only where torch lacks it), vLLM's humming kernels for FP8 W8A16
-# layers in .devstash10/p4whl (humming-kernels 0.1.10, pyelftools, nvidia-cuda-nvcc 13.5.37,
-# nvidia-cuda-cccl 13.3.5.0.6: the W8A8 + W8A16 mix failed without them on 2026-12-06), one carry
+# layers in .devstash10/p4whl (humming-kernels 0.1.10, pyelftools, nvidia-cuda-cccl 13.3.5.0.6)
+# and .devstash11/p5whl (nvidia-cuda-nvcc 13.5.37): the W8A8 + W8A16 mix failed without them
+# on 2026-12-06), one carry
 # of <= 40 MB per call (with the working tree, 64 MiB a call), moved into /root/stash at once. The served checks size vLLM's KV cache for their
 # rows (no free-memory profiling), so they run beside the other GPU jobs and each other; the
 # served-speed bench (`vllm serve`, --gpu-memory-utilization 0.85: KV capacity is one of its

@@ -25,9 +25,10 @@ unpack_vllm() {  # whatever parts of the slimmed vLLM have arrived: tarballs and
     [ -f "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('/root/site')" "$f" && rm "$f"
   done
   # p4whl (.devstash10): vLLM 0.26's humming-kernels, which it picks for FP8 W8A16 layers and
-  # which JIT-compiles them (nvcc, cccl and pyelftools from PyPI beside it); cuda-bindings only
-  # where the machine's torch did not bring its own
-  for d in "$S"/p1whl "$S"/p2whl "$S"/p3whl "$S"/p4whl; do
+  # which JIT-compiles them (cccl and pyelftools from PyPI beside it, nvcc in p5whl,
+  # .devstash11: together they were over a call); cuda-bindings only where the machine's
+  # torch did not bring its own
+  for d in "$S"/p1whl "$S"/p2whl "$S"/p3whl "$S"/p4whl "$S"/p5whl; do
     [ -d "$d" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/deps "$d"/*.whl && rm -rf "$d"
   done
   if [ -d "$S/cudab" ] && ! python3 -c "import cuda.bindings" 2> /dev/null; then
