@@ -51,3 +51,24 @@ def test_fused_checkpoint_takes_the_split_after_load_path(tiny_moe, tmp_path):
     assert type(model.model.layers[0].mlp.experts).__name__ == "LinearExperts2D"
     w = fused.model.layers[1].mlp.experts.gate_up_proj[5]  # [2I, H]: gate rows, then up
     assert torch.equal(model.model.layers[1].mlp.experts[5].up_proj.weight, w[w.shape[0] // 2 :])
+
+
+def test_linearize_lets_each_fused_layer_go_before_copying_the_next(tiny_moe, monkeypatch):
+    """Splitting fused experts after a load (families without a per-expert mapping) holds one
+    layer's experts twice at a time, not the whole model's: each fused module is gone when
+    the next is copied (llm-compressor's linearize_moe kept them all until the end)."""
+    import weakref
+
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+
+    model = loading.load_model(tiny_moe, device="cpu")  # fused
+    cls = LinearExperts2D.get_linear_experts_cls(type(model.model.layers[0].mlp.experts))
+    original, seen, alive = cls.from_experts_module, [], []
+
+    def recording(module, config):
+        alive.append(sum(r() is not None for r in seen))
+        seen.append(weakref.ref(module))
+        return original(module, config)
+
+    monkeypatch.setattr(cls, "from_experts_module", recording)
+    assert moe.linearize(model) == 2 and alive == [0, 0]

@@ -35,13 +35,21 @@ def fused_experts(model: Any) -> list[tuple[str, Any]]:
 
 def linearize(model: Any) -> int:
     """Replace the fused experts of a loaded model by Linear ones (weights copied); returns
-    how many MoE layers were linearized."""
-    found = fused_experts(model)
-    if found:
-        from llmcompressor.modeling.moe.linearize import linearize_moe
+    how many MoE layers were linearized. Layer by layer, each fused module let go before the
+    next is copied: llm-compressor's linearize_moe holds every fused module in its list until
+    the last is replaced, the experts twice at the peak (2 Qwen3-30B-A3B-dims layers on the
+    CPU: 5.23 GB peak for 3.7 GB of weights)."""
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 
-        linearize_moe(model)
-    return len(found)
+    names = [name for name, _ in fused_experts(model)]
+    for name in names:
+        fused = model.get_submodule(name)
+        cls = LinearExperts2D.get_linear_experts_cls(fused.__class__)
+        model.set_submodule(
+            name, cls.from_experts_module(fused, getattr(fused, "config", model.config))
+        )
+        del fused
+    return len(names)
 
 
 @contextlib.contextmanager
