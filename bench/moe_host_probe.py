@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,41 +25,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.model import loading  # noqa: E402
+from pipeline.quantize.memory import _AnonSampler, _status_kb  # noqa: E402
 
 
 def status() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k in ("RssAnon", "RssFile", "RssShmem", "VmHWM"):
-            out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-class Peak:
-    """The largest anonymous + shared resident size seen, sampled every 10 ms."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            s = status()
-            self.value = max(self.value, s["RssAnon"] + s["RssShmem"])
-            time.sleep(0.01)
+    return {
+        k: (v or 0) * 1024 for k, v in _status_kb("RssAnon", "RssFile", "RssShmem", "VmHWM").items()
+    }
 
 
 def one_by_one(model) -> int:
     """The pinning before blocks: each host copy pinned on its own."""
-    from compressed_tensors.offload.cache import OffloadCache
-
-    for m in model.modules():
-        for cache in (m._parameters, m._buffers):
-            if isinstance(cache, OffloadCache):
-                for t in cache.offloaded_values.values():
-                    if t is not None and t.device.type == "cpu" and not t.is_pinned():
-                        t.data = t.data.pin_memory()
+    for t in loading.pageable_host_copies(model):
+        t.data = t.data.pin_memory()
     return 0
 
 
@@ -70,7 +47,7 @@ def main() -> None:
     ap.add_argument("variant", choices=["old", "direct", "packed"])
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    peak, steps = Peak(), {}
+    peak, steps = _AnonSampler(), {}  # qship's own host-peak sampler (50 ms)
     if a.variant == "old":
         loading._experts = lambda path, linear: contextlib.nullcontext()
     if a.variant != "packed":
@@ -78,7 +55,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = loading.load_model(a.model, device="cuda", offload="cpu", linear_experts=True)
     time.sleep(0.1)
-    steps["loaded"] = {**status(), "peak_anon_shmem": peak.value, "s": time.perf_counter() - t0}
+    steps["loaded"] = {**status(), "peak_anon_shmem": peak.take(), "s": time.perf_counter() - t0}
     from compressed_tensors.offload import disable_onloading
 
     with disable_onloading():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,18 +153,22 @@ def _pin(model: Any) -> int:
     back, and pageable memory halves that copy's speed. Packed into blocks (pinning.py):
     pinned one by one, an MoE's 3 MiB experts took 4 MiB each. (Under torch.distributed
     the copies are shared memory, which stays as it is.) Returns the bytes pinned."""
-    from compressed_tensors.offload.cache import OffloadCache
-
     from .pinning import pack
 
-    todo: dict[int, Any] = {}
+    return pack({id(t): t for t in pageable_host_copies(model)}.values())
+
+
+def pageable_host_copies(model: Any) -> Iterator[Any]:
+    """The offloaded weights and buffers held in pageable host memory, in module order (a
+    tensor two modules share comes twice unless pinned when it is reached again)."""
+    from compressed_tensors.offload.cache import OffloadCache
+
     for m in model.modules():
         for cache in (m._parameters, m._buffers):
             if isinstance(cache, OffloadCache):
                 for t in cache.offloaded_values.values():
                     if t is not None and t.device.type == "cpu" and not t.is_pinned():
-                        todo.setdefault(id(t), t)
-    return pack(todo.values())
+                        yield t
 
 
 def weights_in_place(model: Any) -> contextlib.AbstractContextManager[None]:
