@@ -171,10 +171,7 @@ stage)
   mkdir -p "$S/qwen"
   for d in .devstash-q*; do [ -d "$d" ] && mv "$d"/* "$S/qwen/" 2>/dev/null; done
   for d in .devstash-g* .devstash[0-9]*; do [ -d "$d" ] && mv "$d"/* "$S/" 2>/dev/null; done
-  # every part the manifest names is in
-  [ -f "$S/qwen/manifest.json" ] && python3 -c "import json,sys,os; m=json.load(open(sys.argv[1]))
-sys.exit(not all(os.path.exists(os.path.join(os.path.dirname(sys.argv[1]), p['name'])) for p in m['parts']))" \
-    "$S/qwen/manifest.json" && touch "$S/qwen/part.ok"
+  python3 tools/offline.py complete "$S/qwen" && touch "$S/qwen/part.ok"  # every part is in
   [ -d .benchcache ] && mkdir -p "$S/cache" && cp -rn .benchcache/. "$S/cache/"
   [ -d .qship-gpu ] && rm -rf "$S/qship-gpu" && cp -r .qship-gpu "$S/qship-gpu"
   ls "$S" "$S/qwen" | tr '\n' ' '; echo; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

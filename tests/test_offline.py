@@ -52,6 +52,10 @@ def test_split_join_roundtrip_and_damage(tmp_path):
     assert len(list(parts.glob("model.gguf.part*"))) == 4
     out = offline.join(parts, tmp_path / "joined.gguf")
     assert out.read_bytes() == big.read_bytes()
+    for rc, args in ((0, [parts]), (1, [tmp_path])):  # `complete`: every part in / no manifest
+        with pytest.raises(SystemExit) as done:
+            offline.main(["complete", *map(str, args)])
+        assert done.value.code == rc
     # a damaged part: refused, nothing written
     p1 = parts / "model.gguf.part001"
     data = bytearray(p1.read_bytes())
@@ -63,6 +67,9 @@ def test_split_join_roundtrip_and_damage(tmp_path):
     p1.unlink()
     with pytest.raises(SystemExit, match="part001: missing"):
         offline.join(parts, tmp_path / "again.gguf")
+    with pytest.raises(SystemExit) as done:
+        offline.main(["complete", str(parts)])
+    assert done.value.code == 1
 
 
 def test_cli_help_runs():

@@ -3,6 +3,7 @@
     python tools/offline.py wheelhouse requirements/gpu.lock DIR   # online: every locked file
     python tools/offline.py split FILE DIR [--size 40000000]       # big file -> parts + manifest
     python tools/offline.py join DIR [OUT]                         # parts -> file, sha256-checked
+    python tools/offline.py complete DIR                           # exit 0 once every part is in
 
 `wheelhouse` downloads each pinned distribution of a hash-locked requirements file for a
 Python 3.12 manylinux x86_64 host (a wheel where one exists, else the sdist, which pip
@@ -90,13 +91,16 @@ def split(path: Path, dest: Path, size: int) -> None:
     print(f"{path.name}: {len(parts)} parts of <= {size} bytes in {dest}")
 
 
+def missing(src: Path, m: dict) -> list[str]:
+    """The parts manifest `m` names that are not (yet) in `src`."""
+    return [p["name"] for p in m["parts"] if not (src / p["name"]).is_file()]
+
+
 def join(src: Path, out: Path | None) -> Path:
     m = json.loads((src / MANIFEST).read_text())
     names = [p["name"] for p in m["parts"]]
     extra = sorted({p.name for p in src.glob(f"{m['file']}.part*")} - set(names))
-    bad = [f"{n}: missing" for n in names if not (src / n).is_file()] + [
-        f"{n}: not in {MANIFEST}" for n in extra
-    ]
+    bad = [f"{n}: missing" for n in missing(src, m)] + [f"{n}: not in {MANIFEST}" for n in extra]
     bad += [f"{p['name']}: sha256 differs (a damaged copy)" for p in m["parts"]
             if (src / p["name"]).is_file() and sha256(src / p["name"]) != p["sha256"]]  # fmt: skip
     if bad:
@@ -127,11 +131,16 @@ def main(argv: list[str] | None = None) -> None:
     j = sub.add_parser("join")
     j.add_argument("src", type=Path)
     j.add_argument("out", type=Path, nargs="?")
+    c = sub.add_parser("complete")  # a GPU session's stage: all parts carried in yet?
+    c.add_argument("src", type=Path)
     a = ap.parse_args(argv)
     if a.cmd == "wheelhouse":
         wheelhouse(a.lock, a.dest)
     elif a.cmd == "split":
         split(a.file, a.dest, a.size)
+    elif a.cmd == "complete":
+        manifest = a.src / MANIFEST
+        sys.exit(not manifest.is_file() or bool(missing(a.src, json.loads(manifest.read_text()))))
     else:
         join(a.src, a.out)
 
