@@ -252,7 +252,8 @@ probe-w4a8)  # after art-T-w4a8-fp8 exists and vLLM is in: its CUTLASS W4A8 kern
 run-gemma) link; quality gemma "$G" ;;
 run-bench6) link; bench6 gemma "$G" ;;
 start-bench6)  # after start-gemma (the GGUF joined): Gemma's formats on the six full sets
-  link; bg bench6 13-15
+  # (BCORES: its cores, 13-15 beside the other jobs; more when it runs beside one job only)
+  link; bg bench6 "${BCORES:-13-15}"
   ;;
 run-qwen) link; quality qwen "$QG" ;;
 run-r8b) link; r8b ;;
