@@ -61,11 +61,15 @@ def load_model(
     if offload == "cpu" and device_kind(device) == "cpu" and not _distributed():
         offload = "none"  # host memory is where the weights are anyway
     if offload == "none" and not _distributed():
+        # read straight onto an accelerator, where a compressed checkpoint is then unpacked
+        # (read to the host first, the host unpacked every int4 expert: the reload check took
+        # 223 of an 8-layer MoE quantize's 378 s, H100 2026-12-06)
+        on = {"device_map": device} if device_kind(device) != "cpu" else {}
         with warnings.catch_warnings(), _experts(path, linear_experts):
             # "loading attributes ... will be overwritten": asked for
             warnings.filterwarnings("ignore", message=".*quantization_config.*")
             model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype,
-                                                               output_loading_info=True,
+                                                               output_loading_info=True, **on,
                                                                **_dequantized(path))  # fmt: skip
         _require_complete(path, info)
         _cast_strays(model, torch_dtype)

@@ -63,9 +63,7 @@ def loading_linear_experts(path: Path) -> Iterator[bool]:
     restored on exit: the library leaves its save mapping registered, with which a later
     load of the fused model in this process would find none of its expert tensors."""
     model_type = _model_type(path)
-    from llmcompressor.modeling.moe.conversion_mappings import has_linearize_load_mappings
-
-    if not (model_type and has_linearize_load_mappings(model_type) and _per_expert(path)):
+    if not reads_per_expert(path):
         yield False
         return
     import transformers.conversion_mapping as cm
@@ -103,6 +101,15 @@ def _save_mapping_set_on_loaded_model() -> Iterator[None]:
 
     with patch_attr(lin, "set_save_conversion_mapping", on_model):
         yield
+
+
+def reads_per_expert(path: Path) -> bool:
+    """Whether loading_linear_experts reads this checkpoint's experts as Linear modules: the
+    family has llm-compressor's per-expert mapping and the checkpoint stores them so."""
+    from llmcompressor.modeling.moe.conversion_mappings import has_linearize_load_mappings
+
+    model_type = _model_type(path)
+    return bool(model_type and has_linearize_load_mappings(model_type) and _per_expert(path))
 
 
 def _model_type(path: Path) -> str | None:
