@@ -106,10 +106,15 @@ def _save_mapping_set_on_loaded_model() -> Iterator[None]:
 def reads_per_expert(path: Path) -> bool:
     """Whether loading_linear_experts reads this checkpoint's experts as Linear modules: the
     family has llm-compressor's per-expert mapping and the checkpoint stores them so."""
+    return family_reads_per_expert(_model_type(path)) and _per_expert(path)
+
+
+def family_reads_per_expert(model_type: str | None) -> bool:
+    """Whether llm-compressor maps this family's per-expert tensors onto Linear experts
+    (Qwen2/3-MoE: yes; Mixtral, gpt-oss: no, their experts are fused on load)."""
     from llmcompressor.modeling.moe.conversion_mappings import has_linearize_load_mappings
 
-    model_type = _model_type(path)
-    return bool(model_type and has_linearize_load_mappings(model_type) and _per_expert(path))
+    return bool(model_type and has_linearize_load_mappings(model_type))
 
 
 def _model_type(path: Path) -> str | None:

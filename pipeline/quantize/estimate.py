@@ -6,8 +6,8 @@
                 GPTQ's batched compression of same-shape modules (_gptq_batches: the MoE
                 term) + AWQ's eager attention scores (B · heads · S² · 4) + C
       reload  = W + Q + C (the saved checkpoint reloaded and decompressed for the check)
-    CPU peak  = W (loaded on the host first; fp32 on a CPU run) + R (+ an MoE model's
-                MOE_HOST · expert weights on a GPU run)
+    CPU peak  = Q + R on a GPU (the weights are read straight onto it; the saved checkpoint
+                passes through host memory), 2·W + R on the CPU (fp32)
     time      = a · quantized Linears (a' for an MoE expert's) + layers · b · layer params
                 · N·S / 65,536 on a GPU,
                 layers · k · layer params · N·S on a CPU
@@ -20,7 +20,9 @@ seconds per byte of layer (time); the host holds W + Q + R with cpu (8B dims on 
 check decompresses one module at a time (7.6 GB; 21.5 when it decompressed the whole
 model, 40.6 before it stopped pinning and the cached page-locked blocks were released):
 the Q term is headroom) or max(L, Q) + R with disk (the reload check reads the packed
-checkpoint into host memory: checks.verify_reload).
+checkpoint into host memory: checks.verify_reload). An MoE family whose experts transformers
+fuses on load (Mixtral, gpt-oss: no per-expert mapping in llm-compressor) has its experts
+decompressed whole by that offloaded reload: + FUSED_RELOAD_HOST x the expert weights.
 `auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
 fits free host memory, else disk.
 
@@ -41,10 +43,10 @@ the mixed recipe the constants were fitted on (METHOD_COST): on the 2-core CPU (
 mixed recipe 181.8 s; on the H200 (128 x 512 tokens) RTN 8.4 s, GPTQ 7.9-10.6 s, AWQ 16.3 s,
 mixed 15.5 s and AutoRound 272.3 s (about 25x GPTQ). A module kept 16-bit costs nothing.
 MoE: on 2 layers of Qwen3-30B-A3B dims (128 experts of 2048x768) the GPU peak measured
-18.67 GB; without the batched compression the estimate said 9.44 GB, with it 18.6 GB; on 8
-layers (H100, 2026-12-06) 26.16 GB measured / 26.04 predicted, and 16.96 / 17.32 with
---offload cpu. An expert Linear's time (A_EXPERT_S) and the host memory an MoE model holds
-beyond W (MOE_HOST x its expert weights) are fitted on those 8 layers (bench/RESULTS.md).
+18.67 GB; without the batched compression the estimate said 9.44 GB, with it 18.6 GB; on 16
+and 24 layers (H100, 2026-12-06 19:00) 36.35 / 46.43 GB measured, 36.01 / 45.98 predicted,
+and 16.95 / 16.95 with --offload cpu (17.32). An expert Linear's time (A_EXPERT_S) is fitted
+on those rows (bench/RESULTS.md, "MoE at scale, 16 and 24 layers").
 """
 
 from __future__ import annotations
@@ -64,19 +66,15 @@ R_CPU = 2.0 * GB
 # hundreds of expert Linears); refit once METHOD_COST weighted the parameters (the constants
 # fitted before it, 0.425 / 7 and 8.14e-9, then predicted the 8B at 54 s)
 A_S, B_S, TOKENS_REF = 0.525 / 7, 1.262e-8, 65_536
-# an MoE expert Linear costs more than a dense one: its reload check alone took 223 of the
-# 378 s on 8 Qwen3-30B-A3B-dims layers (3,072 expert Linears; H100, the GPU and host shared
-# with the --offload cpu run); fitted there, 2 layers' 81.2 s then predicted at +10 %
-A_EXPERT_S = 0.105
-# host bytes per byte of expert weights beyond W (+ Q), measured on those 8 layers (H100,
-# 2026-12-06): anonymous peaks 20.0 GB with the weights on the GPU (13.2 predicted without
-# it), 35.3 GB with --offload cpu (17.0), in load and calibration. Both causes were found
-# and removed after (4 layers, H100 2026-12-06 16:56: 3.05x W at load, now 1.13x): the
-# experts fused on load and split again (model/moe.py now reads them per expert) and the
-# page-locked copies rounded up to powers of two (now packed, model/pinning.py). Kept until
-# a full run refits them: they now over-predict. Disk offload has neither (nothing pinned,
-# nothing fused) and was never measured: no term.
-MOE_HOST = {"none": 0.7, "cpu": 1.9, "disk": 0.0}
+# an MoE expert Linear (calibration, GPTQ, its share of save and reload check): fitted on
+# 16 and 24 Qwen3-30B-A3B-dims layers (6,144 and 9,216 expert Linears: 254.3 and 408.0 s
+# with the weights on the GPU, H100 2026-12-06 19:00, beside the --offload cpu run); 0.105
+# before the reload check decompressed on the GPU (it took 223 of 8 layers' 378 s on the host)
+A_EXPERT_S = 0.031
+# host bytes per byte of expert weights that an offloaded reload check of fused experts
+# holds beyond W + Q + R: 36.8 GB on 16 layers (H100 2026-12-06 19:00), before Qwen3-MoE's
+# experts were read per expert there (24 layers: 23.9 GB in the check, below calibration's)
+FUSED_RELOAD_HOST = 0.38
 K_CPU = 2.2e-10
 T_OFFLOAD = 0.7e-9
 # seconds per parameter-token of each method / the mixed recipe's (the fit above)
@@ -92,6 +90,12 @@ BASIS = ("fitted on Gemma 3 270M (H200, 2-core CPU) and an 8B-dims Llama (H200),
 
 def _text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
+
+
+def _experts_read_per_expert(config: Any) -> bool:
+    from ..model.moe import family_reads_per_expert
+
+    return family_reads_per_expert(getattr(_text_config(config), "model_type", None))
 
 
 def _gptq_batches(gptq_by_layer: dict[str, list], ranks: int, free_gpu_bytes: int | None) -> int:
@@ -164,8 +168,9 @@ def estimate(
         seconds += layers * B_S * timed_params * tokens / ranks / TOKENS_REF
         if offload != "none":
             seconds += layers * T_OFFLOAD * layer_params * 2
-        cpu = {"none": w, "cpu": w + q, "disk": max(unit, q)}[offload] + R_CPU * ranks
-        cpu += MOE_HOST[offload] * expert_bytes
+        cpu = {"none": q, "cpu": w + q, "disk": max(unit, q)}[offload] + R_CPU * ranks
+        if experts and offload != "none" and not _experts_read_per_expert(config):
+            cpu += FUSED_RELOAD_HOST * expert_bytes
         # one model resident, a batch of fp32 logits and their float64 log-softmax (chunked)
         e_gpu: int | None = int(
             resident + ev.batch_size * ev.seq_len * vocab * 4 + 128 * vocab * 8 * 2 + C_GPU
