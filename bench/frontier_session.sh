@@ -31,6 +31,8 @@
 #             the JOBS, default "frontier moe", are done)
 set -uo pipefail
 S=/root/stash
+# the commands that start background jobs run them from a copy of the tree
+case "${1:-}" in frontier|moe|artune|moe-early|fused) . bench/session_tree.sh; freeze_tree ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1

@@ -17,6 +17,8 @@
 # machine's verified benchmark-data cache entry (the 86 MB wheel exceeds one carry).
 set -uo pipefail
 S=/root/stash
+# the commands that start background jobs run them from a copy of the tree
+case "${1:-}" in scale) . bench/session_tree.sh; freeze_tree ;; esac
 mkdir -p "$S" "${OUT:-/tmp/out}"
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
