@@ -111,7 +111,7 @@ def reads_per_expert(path: Path) -> bool:
 
 def family_reads_per_expert(model_type: str | None) -> bool:
     """Whether llm-compressor maps this family's per-expert tensors onto Linear experts
-    (Qwen2/3-MoE: yes; Mixtral, gpt-oss: no, their experts are fused on load)."""
+    (Qwen2/3-MoE: yes; Mixtral, PhiMoE, gpt-oss: no, their experts are fused on load)."""
     from llmcompressor.modeling.moe.conversion_mappings import has_linearize_load_mappings
 
     return bool(model_type and has_linearize_load_mappings(model_type))

@@ -21,7 +21,7 @@ check decompresses one module at a time (7.6 GB; 21.5 when it decompressed the w
 model, 40.6 before it stopped pinning and the cached page-locked blocks were released):
 the Q term is headroom) or max(L, Q) + R with disk (the reload check reads the packed
 checkpoint into host memory: checks.verify_reload). An MoE family whose experts transformers
-fuses on load (Mixtral, gpt-oss: no per-expert mapping in llm-compressor) has its experts
+fuses on load (PhiMoE, gpt-oss: no per-expert mapping in llm-compressor) has its experts
 decompressed whole by that offloaded reload: + FUSED_RELOAD_HOST x the expert weights.
 `auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
 fits free host memory, else disk.
@@ -46,7 +46,7 @@ MoE: on 2 layers of Qwen3-30B-A3B dims (128 experts of 2048x768) the GPU peak me
 18.67 GB; without the batched compression the estimate said 9.44 GB, with it 18.6 GB; on 16
 and 24 layers (H100, 2026-12-06 19:00) 36.35 / 46.43 GB measured, 36.01 / 45.98 predicted,
 and 16.95 / 16.95 with --offload cpu (17.32). An expert Linear's time (A_EXPERT_S) is fitted
-on those rows (bench/RESULTS.md, "MoE at scale, 16 and 24 layers").
+on those rows (bench/RESULTS.md, "H100 sessions 2026-12-06, 18:50–19:23").
 """
 
 from __future__ import annotations
