@@ -241,12 +241,15 @@ waiter)
   sleep 2; tail -n 3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
   ;;
 probe-w4a8)  # after art-T-w4a8-fp8 exists and vLLM is in: its CUTLASS W4A8 kernel against
-  # qship's simulation, Linear by Linear (bench/w4a8_kernel_probe.py), for T in $PROBE
+  # qship's simulation, Linear by Linear (bench/w4a8_kernel_probe.py), for T in $PROBE; a T
+  # with no such artifact names a checkpoint folder in $S itself (e.g. r8b-w4a8-fp8-rtn: the
+  # random 8B's, `SPEED=w4a8-fp8-rtn R8B_EXTRA=0 start-r8b`, which needs no GGUF staged)
   link
   for t in ${PROBE:-qwen gemma}; do
-    [ -d "$S/art-$t-w4a8-fp8" ] || continue
-    "$S/vllm-python" bench/w4a8_kernel_probe.py serve "$S/art-$t-w4a8-fp8" "$S/rows/$t-w4a8-probe.safetensors" > "$S/$t-probe.log" 2>&1
-    python3 bench/w4a8_kernel_probe.py compare "$S/art-$t-w4a8-fp8" "$S/rows/$t-w4a8-probe.safetensors" \
+    a="$S/art-$t-w4a8-fp8"; [ -d "$a" ] || a="$S/$t"
+    [ -f "$a/config.json" ] || continue
+    "$S/vllm-python" bench/w4a8_kernel_probe.py serve "$a" "$S/rows/$t-w4a8-probe.safetensors" > "$S/$t-probe.log" 2>&1
+    python3 bench/w4a8_kernel_probe.py compare "$a" "$S/rows/$t-w4a8-probe.safetensors" \
       --json "$S/rows/$t-w4a8-probe.json" >> "$S/$t-probe.log" 2>&1
     grep -v "Warning\|warn(\|it/s" "$S/$t-probe.log" | tail -n 8
   done
