@@ -130,7 +130,8 @@ def test_the_time_term_holds_the_measured_dense_rows():
     each an upper bound): 16 layers 254.3 / 331.6 s, 24 layers 408.0 / 507.5 s. The method-
     weighted parameters with the constants fitted before them predicted 54 s for the 8B
     (-32 %); the expert cost fitted before the reload check decompressed on the GPU
-    predicted the 16 layers at 717 s (+182 %)."""
+    predicted the 16 layers at 717 s (+182 %); without the per-module cost of loading
+    offloaded (T_OFFLOAD_MODULE) the offloaded MoE rows were 17-18 % under."""
     from transformers import Gemma3TextConfig
 
     from pipeline.quantize import plan_for_config
@@ -144,7 +145,7 @@ def test_the_time_term_holds_the_measured_dense_rows():
     llama = llama8b_config()
     rows = [(gemma, "none", 10.5, 0.10), (llama, "none", 79.5, 0.10), (llama, "cpu", 86.7, 0.10),
             (moe_config(16), "none", 254.3, 0.10), (moe_config(24), "none", 408.0, 0.10),
-            (moe_config(16), "cpu", 331.6, 0.25), (moe_config(24), "cpu", 507.5, 0.25)]  # fmt: skip
+            (moe_config(16), "cpu", 331.6, 0.10), (moe_config(24), "cpu", 507.5, 0.10)]  # fmt: skip
     for cfg, offload, measured, within in rows:
         s = estimate(plan_for_config(cfg, r), cfg, r, "cuda", offload=offload).quantize_s
         assert abs(s - measured) <= within * measured, (cfg.num_hidden_layers, offload, s, measured)

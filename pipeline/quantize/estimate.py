@@ -15,7 +15,7 @@
 With --offload cpu|disk the weights stay off the GPU and one decoder layer (or the
 embeddings / lm_head) is there at a time: W above becomes 2·L, L the largest such unit's
 bytes (it and its quantized copy); each layer's weights cross to the GPU and back, + T
-seconds per byte of layer (time); the host holds W + Q + R with cpu (8B dims on an H100:
+seconds per byte of layer and T' per quantized Linear (time); the host holds W + Q + R with cpu (8B dims on an H100:
 23.8 GB predicted; measured 20.1 GB anonymous, the calibration's peak, since the reload
 check decompresses one module at a time (7.6 GB; 21.5 when it decompressed the whole
 model, 40.6 before it stopped pinning and the cached page-locked blocks were released):
@@ -77,6 +77,11 @@ A_EXPERT_S = 0.031
 FUSED_RELOAD_HOST = 0.38
 K_CPU = 2.2e-10
 T_OFFLOAD = 0.7e-9
+# per quantized Linear under offload: loading into host memory and page-locking costs each
+# module ~8.5 ms beyond the bytes (Qwen3-30B-A3B dims, H100 2026-12-06: load 62.6 / 90.8 s
+# offloaded against 7.8 / 14.6 s onto the GPU, for 6,208 / 9,312 Linears); negligible for
+# a dense model (the 8B's 224 Linears: ~2 s)
+T_OFFLOAD_MODULE = 0.0085
 # seconds per parameter-token of each method / the mixed recipe's (the fit above)
 METHOD_COST = {
     "cpu": {"rtn": 0.19, "gptq": 0.37, "awq": 2.47, "autoround": 9.2, "none": 0.0},
@@ -167,7 +172,7 @@ def estimate(
         seconds = A_S * (len(quantized) - len(experts)) + A_EXPERT_S * len(experts)
         seconds += layers * B_S * timed_params * tokens / ranks / TOKENS_REF
         if offload != "none":
-            seconds += layers * T_OFFLOAD * layer_params * 2
+            seconds += layers * T_OFFLOAD * layer_params * 2 + T_OFFLOAD_MODULE * len(quantized)
         cpu = {"none": q, "cpu": w + q, "disk": max(unit, q)}[offload] + R_CPU * ranks
         if experts and offload != "none" and not _experts_read_per_expert(config):
             cpu += FUSED_RELOAD_HOST * expert_bytes
