@@ -105,21 +105,21 @@ def verify_reload(
     """Reload with transformers (on `device`, weights where `offload` says) and check the
     logits are finite; returns the number of probe tokens."""
     probe_ids = probe_ids.to(device)
+    # a packed checkpoint is a quarter of the dense size: host memory suffices (and
+    # accelerate's disk offload narrows packed int32 zero points to int8)
+    # one probe forward: pageable host copies (pinning them costs time and host memory)
+    # offloaded, an MoE's experts are read as Linear modules where they can be, so that
+    # each is decompressed as the forward reaches it: transformers' fused experts are
+    # decompressed whole on load (16 Qwen3-30B-A3B-dims layers: 36.8 GB of host memory
+    # in the check, 1.74x the weights, H100 2026-12-06)
     try:
-        # a packed checkpoint is a quarter of the dense size: host memory suffices (and
-        # accelerate's disk offload narrows packed int32 zero points to int8)
-        # one probe forward: pageable host copies (pinning them costs time and host memory)
-        # offloaded, an MoE's experts are read as Linear modules where they can be, so that
-        # each is decompressed as the forward reaches it: transformers' fused experts are
-        # decompressed whole on load (16 Qwen3-30B-A3B-dims layers: 36.8 GB of host memory
-        # in the check, 1.74x the weights, H100 2026-12-06)
-        m = load_model(
-            out_dir,
-            device=device,
-            offload="cpu" if offload == "disk" else offload,
-            pin=False,
-            linear_experts=offload != "none" and reads_per_expert(out_dir),
-        )
+        how: dict[str, Any] = {
+            "device": device,
+            "offload": "cpu" if offload == "disk" else offload,
+            "pin": False,
+            "linear_experts": offload != "none" and reads_per_expert(out_dir),
+        }
+        m = load_model(out_dir, **how)
     except Exception as e:  # noqa: BLE001
         raise StageError(
             f"transformers cannot reload the checkpoint: {e}", path=str(out_dir)
@@ -129,13 +129,7 @@ def verify_reload(
     if not torch.isfinite(logits).all():
         if offload != "none":  # the probe dropped the offloaded weights: load them again
             del m
-            m = load_model(
-                out_dir,
-                device=device,
-                offload="cpu",
-                pin=False,
-                linear_experts=reads_per_expert(out_dir),
-            )
+            m = load_model(out_dir, **how)
         bad = _first_nonfinite_module(m, probe_ids)
         raise StageError(
             f"reloaded checkpoint gives non-finite logits (first non-finite output: {bad})",

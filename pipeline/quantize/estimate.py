@@ -15,14 +15,15 @@
 With --offload cpu|disk the weights stay off the GPU and one decoder layer (or the
 embeddings / lm_head) is there at a time: W above becomes 2·L, L the largest such unit's
 bytes (it and its quantized copy); each layer's weights cross to the GPU and back, + T
-seconds per byte of layer and T' per quantized Linear (time); the host holds W + Q + R with cpu (8B dims on an H100:
-23.8 GB predicted; measured 20.1 GB anonymous, the calibration's peak, since the reload
-check decompresses one module at a time (7.6 GB; 21.5 when it decompressed the whole
-model, 40.6 before it stopped pinning and the cached page-locked blocks were released):
-the Q term is headroom) or max(L, Q) + R with disk (the reload check reads the packed
-checkpoint into host memory: checks.verify_reload). An MoE family whose experts transformers
-fuses on load (PhiMoE, gpt-oss: no per-expert mapping in llm-compressor) has its experts
-decompressed whole by that offloaded reload: + FUSED_RELOAD_HOST x the expert weights.
+seconds per byte of layer and T' per quantized Linear (time); the host holds W + Q + R
+with cpu (8B dims on an H100: 23.8 GB predicted; measured 20.1 GB anonymous, the
+calibration's peak, since the reload check decompresses one module at a time (7.6 GB;
+21.5 when it decompressed the whole model, 40.6 before it stopped pinning and the cached
+page-locked blocks were released): the Q term is headroom) or max(L, Q) + R with disk (the
+reload check reads the packed checkpoint into host memory: checks.verify_reload). An MoE
+family whose experts transformers fuses on load (PhiMoE, gpt-oss: no per-expert mapping in
+llm-compressor) has its experts decompressed whole by that offloaded reload: +
+FUSED_RELOAD_HOST x the expert weights.
 `auto` picks none when the GPU peak fits free GPU memory, else cpu when its host peak
 fits free host memory, else disk.
 
