@@ -32,7 +32,7 @@
 set -uo pipefail
 S=/root/stash
 # the commands that start background jobs run them from a copy of the tree
-case "${1:-}" in frontier|moe|artune|moe-early|fused) . bench/session_tree.sh; freeze_tree ;; esac
+case "${1:-}" in frontier|moe|artune|moe-early|fused|tuned-served) . bench/session_tree.sh; freeze_tree ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -60,8 +60,8 @@ qwen() {  # waits for the last part
 levers() {  # one recipe at a time (finished ones are skipped: a rerun resumes)
   python3 bench/recipe_search.py --model "$G" --out "$S/lev" --cache-dir "$S/cache" --device cuda --exact --recipes "$@"
 }
-tune_gemma() {  # BASE: qship tune at 4.25 bits per weight
-  $Q tune --model "$G" --recipe $L/$1.yaml --max-bits 4.25 --write-recipe "$S/tuned/gemma-$1.yaml" \
+tune_gemma() {  # BASE: qship tune at 4.25 bits per weight (TUNE_OPTS: its --options)
+  $Q tune --model "$G" --recipe $L/$1.yaml --max-bits 4.25 ${TUNE_OPTS:+--options $TUNE_OPTS} --write-recipe "$S/tuned/gemma-$1.yaml" \
     --out "$S/tune-gemma-$1" --cache-dir "$S/cache" --device cuda --json > "$S/tune-gemma-$1.json"
   echo "== tune gemma $1 rc $?"
 }
@@ -142,6 +142,14 @@ fz_gemma() {
   serve "$G" gemma-tuned "$S/cache" "$S/tuned/gemma-gptq-w4a-mse.yaml"
 }
 fz_gemma_ar() { tune_gemma autoround-w4a; }
+# Issue 31 item 2 beside a formats session (bench/formats_session.sh brings vLLM's environment
+# and touches $S/vllm.ready): one Gemma base tuned at 4.25 bits, then served as packaged
+tuned_served() {  # BASE
+  tune_gemma "$1"
+  [ -f "$S/tuned/gemma-$1.yaml" ] || return 1
+  while [ ! -f "$S/vllm.ready" ]; do sleep 3; done
+  serve "$G" "gemma-$1-tuned" "$S/cache" "$S/tuned/gemma-$1.yaml"
+}
 fz_qwen() {
   MB=$(qwen_gptq_w4)
   echo "== qwen gptq-w4 at $MB bits"
@@ -196,6 +204,15 @@ run-artune_gemma) artune_gemma ;;
 moe-early)  # the MoE job alone, while the rest is staged (it needs only the wheels)
   setsid nohup env MOE_LAYERS="${MOE_LAYERS:-2}" bash -c "bash bench/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
   ;;
+tuned-served)  # after formats_session.sh start-gemma (the GGUF joined): each of $BASES in
+  # its own job on cores ${TCORES:-5-9}, TUNE_OPTS its options; `collect` with JOBS="ts_BASE ..."
+  notask
+  for b in ${BASES:-autoround-w4a gptq-w4a-imatrix}; do
+    setsid nohup taskset -c "${TCORES:-5-9}" env TUNE_OPTS="${TUNE_OPTS:-}" bash -c \
+      "bash bench/frontier_session.sh run-ts $b > $S/ts_$b.log 2>&1; touch $S/ts_$b.done" > /dev/null 2>&1 &
+  done
+  ;;
+run-ts) notask keep; [ -f "$G" ] || exit 1; tuned_served "$2" ;;
 fused)  # after every part is staged: three jobs at once (with moe-early, four)
   prep
   for j in fz_gemma fz_gemma_ar fz_qwen; do
@@ -217,7 +234,7 @@ collect)
   grep -E "^==|^\{|Error|error" "$S/moe.log" 2>/dev/null | tail -12
   grep -v "Warning\|warn(\|it/s\]\|s/it\]" "$S/moe.log" 2>/dev/null | tail -200 > "$OUT/moe_tail.log"
   # one tarball: the device hands back a few files, folders only a few levels deep
-  (cd "$S" && find lev levq rot bench-cmp* tune-* tuned scale-moe art-*/eval.json \( -name "eval.json" -o -name "tune.json" \
+  (cd "$S" && find lev levq rot bench-cmp* tune-* tuned scale-moe art-*/eval.json art-*.report \( -name "eval.json" -o -name "tune.json" \
       -o -name "*.yaml" -o -name "compare.json" -o -name "compare.md" -o -name "tune.png" -o -name "scale_*.json" \) \
       2>/dev/null | grep -v "/cache/" | tar czf "$OUT/results.tgz" -T - ./*.json 2>/dev/null)
   nvidia-smi --query-gpu=memory.used --format=csv,noheader; free -g | head -2
