@@ -60,8 +60,10 @@ qwen() {  # waits for the last part
 levers() {  # one recipe at a time (finished ones are skipped: a rerun resumes)
   python3 bench/recipe_search.py --model "$G" --out "$S/lev" --cache-dir "$S/cache" --device cuda --exact --recipes "$@"
 }
-tune_gemma() {  # BASE: qship tune at 4.25 bits per weight (TUNE_OPTS: its --options)
-  $Q tune --model "$G" --recipe $L/$1.yaml --max-bits 4.25 ${TUNE_OPTS:+--options $TUNE_OPTS} --write-recipe "$S/tuned/gemma-$1.yaml" \
+tune_gemma() {  # BASE: qship tune at 4.25 bits per weight (TUNE_OPTS: its --options; the base
+  # from $TUNE_DIR, default $L; NOVERIFY=1: measure and allocate only)
+  $Q tune --model "$G" --recipe "${TUNE_DIR:-$L}/$1.yaml" --max-bits 4.25 ${TUNE_OPTS:+--options $TUNE_OPTS} \
+    $([ "${NOVERIFY:-0}" = 1 ] && echo --no-verify) --write-recipe "$S/tuned/gemma-$1.yaml" \
     --out "$S/tune-gemma-$1" --cache-dir "$S/cache" --device cuda --json > "$S/tune-gemma-$1.json"
   echo "== tune gemma $1 rc $?"
 }
@@ -144,9 +146,17 @@ fz_gemma() {
 fz_gemma_ar() { tune_gemma autoround-w4a; }
 # Issue 31 item 2 beside a formats session (bench/formats_session.sh brings vLLM's environment
 # and touches $S/vllm.ready): one Gemma base tuned at 4.25 bits, then served as packaged
-tuned_served() {  # BASE
-  tune_gemma "$1"
-  [ -f "$S/tuned/gemma-$1.yaml" ] || return 1
+tuned_served() {  # BASE, task-free (notask): tuned; NOVERIFY=1 leaves the base unverified and
+  # gives the tuned recipe its exact KL through `qship compare --exact` (the quantize is cached
+  # for the served run after it)
+  TUNE_DIR=$N tune_gemma "$1"
+  local t=$S/tuned/gemma-$1.yaml
+  [ -f "$t" ] || return 1
+  if [ "${NOVERIFY:-0}" = 1 ]; then
+    $Q compare --model "$G" --recipes "$t" --out "$S/cmp-gemma-$1" --cache-dir "$S/cache" --device cuda \
+      --exact --json > "$S/cmp-gemma-$1.json" 2> "$S/cmp-gemma-$1.log"
+    echo "== exact gemma $1 rc $?"
+  fi
   while [ ! -f "$S/vllm.ready" ]; do sleep 3; done
   serve "$G" "gemma-$1-tuned" "$S/cache" "$S/tuned/gemma-$1.yaml"
 }
@@ -207,8 +217,9 @@ moe-early)  # the MoE job alone, while the rest is staged (it needs only the whe
 tuned-served)  # after formats_session.sh start-gemma (the GGUF joined): each of $BASES in
   # its own job on cores ${TCORES:-5-9}, TUNE_OPTS its options; `collect` with JOBS="ts_BASE ..."
   notask
+  python3 bench/frontier_session.py notask "$N" $(for b in ${BASES:-autoround-w4a gptq-w4a-imatrix}; do echo "$L/$b.yaml"; done)
   for b in ${BASES:-autoround-w4a gptq-w4a-imatrix}; do
-    setsid nohup taskset -c "${TCORES:-5-9}" env TUNE_OPTS="${TUNE_OPTS:-}" bash -c \
+    setsid nohup taskset -c "${TCORES:-5-9}" env TUNE_OPTS="${TUNE_OPTS:-}" NOVERIFY="${NOVERIFY:-0}" bash -c \
       "bash bench/frontier_session.sh run-ts $b > $S/ts_$b.log 2>&1; touch $S/ts_$b.done" > /dev/null 2>&1 &
   done
   ;;
@@ -234,7 +245,7 @@ collect)
   grep -E "^==|^\{|Error|error" "$S/moe.log" 2>/dev/null | tail -12
   grep -v "Warning\|warn(\|it/s\]\|s/it\]" "$S/moe.log" 2>/dev/null | tail -200 > "$OUT/moe_tail.log"
   # one tarball: the device hands back a few files, folders only a few levels deep
-  (cd "$S" && find lev levq rot bench-cmp* tune-* tuned scale-moe art-*/eval.json art-*.report \( -name "eval.json" -o -name "tune.json" \
+  (cd "$S" && find lev levq rot bench-cmp* tune-* tuned scale-moe cmp-* art-*/eval.json art-*.report \( -name "eval.json" -o -name "tune.json" \
       -o -name "*.yaml" -o -name "compare.json" -o -name "compare.md" -o -name "tune.png" -o -name "scale_*.json" \) \
       2>/dev/null | grep -v "/cache/" | tar czf "$OUT/results.tgz" -T - ./*.json 2>/dev/null)
   nvidia-smi --query-gpu=memory.used --format=csv,noheader; free -g | head -2
