@@ -66,7 +66,7 @@ G=$S/gemma-3-270m-q4_k_m.gguf
 QG=$S/qwen.gguf
 L=.qship-gpu/recipes
 Q="python3 -m pipeline.cli"
-RECIPES=${RECIPES:-"fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8"}  # + w4a16-gptq: W4A8's twin
+RECIPES=${RECIPES-"fp8-dynamic fp8-block w8a8-int8-sq w4a8-fp8"}  # + w4a16-gptq: W4A8's twin; RECIPES="": none (only $LC)
 LC=${LC:-gemma}  # the models whose FP8-KV mixed run gets the long-context check
 # served speed: the anchors' formats (device time); SPEED="" quantizes none (a restart)
 SPEED=${SPEED-"rtn-w4a16 fp8-dynamic-rtn"}

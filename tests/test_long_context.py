@@ -114,6 +114,11 @@ def test_check_figures_and_gate(tok):
     checks = gate.long_context_checks(res)
     assert [c.name for c in checks] == ["serve.long_context.200", "serve.long_context.256"]
     assert not any(c.passed for c in checks) and checks[0].value == 0.5
+    assert res.kv_cache_at_fault()  # the 16-bit KV cache retrieves all of them
+    ok[("art", "bfloat16")] = 2  # the weights lose it too: not the KV cache's fault
+    res, _ = _run(tok, ok, has_kv=True)
+    assert not res.passed and not res.kv_cache_at_fault()
+    ok[("art", "bfloat16")] = 4
 
     # within the limit: passes; no quantized KV cache: the 16-bit run is not repeated
     ok[("art", "auto")] = 3

@@ -92,6 +92,36 @@ def test_all_recipes_load_with_gates_and_comment():
     assert default.kv_cache is not None and default.dtype == "bfloat16"
 
 
+# recipes/models/<folder>: recipes `qship tune` chose modules for on one model, with its config
+MODEL_CONFIGS = {
+    "gemma-3-270m": {"model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048,
+                     "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
+                     "head_dim": 256, "vocab_size": 262144, "tie_word_embeddings": True},
+}  # fmt: skip
+
+
+def test_model_recipes_plan_on_their_model_at_their_bits_with_fused_sets_whole():
+    """A tuned recipe names modules by layer number: it plans on its own model (the plan
+    refuses a split fused set and a target or exclude that meets nothing), at the bits its
+    name says, with the same header and gates as every shipped recipe."""
+    from transformers import AutoConfig
+
+    from pipeline.quantize.plan import plan_for_config
+
+    folders = sorted(p for p in (ROOT / "recipes" / "models").iterdir())
+    assert [p.name for p in folders] == sorted(MODEL_CONFIGS)
+    for folder in folders:
+        dims = dict(MODEL_CONFIGS[folder.name])
+        cfg = AutoConfig.for_model(dims.pop("model_type"), **dims)
+        paths = sorted(folder.glob("*.yaml"))
+        assert paths, folder
+        for p in paths:
+            r = load_recipe(p)
+            assert r.name == p.stem and "Choose it" in p.read_text() and r.gates.kl_mean_max
+            bpw = plan_for_config(cfg, r).bits_per_weight.quantized
+            assert f"tune{bpw:.3f}" in r.name, (p.name, bpw)
+
+
 def test_hash_is_of_resolved_recipe(tmp_path):
     a = _base()
     b = _base()

@@ -11,6 +11,7 @@ import typer
 
 from ..errors import UsageError
 from ..records.artifact import Artifact, PublishResult, VerifyReport
+from ..records.served import LongContextCheck
 from .common import DeviceOpt, JsonOpt, VerboseOpt
 
 Step = Callable[[VerifyReport], VerifyReport]  # one served gate: report in, report out
@@ -215,9 +216,22 @@ def _long_context(
     if failed:
         raise GateFailed("long-context retrieval as served fell beyond serve.long_context."
                          "max_drop: " + "; ".join(lc.failures), path=str(artifact / "recipe.yaml"),
-                         hint="a 16-bit KV cache (kv_cache: null) or calibrated KV scales; "
-                         "see the 16-bit KV figure beside each length", result=report)  # fmt: skip
+                         hint=_long_context_hint(lc), result=report)  # fmt: skip
     return report
+
+
+def _long_context_hint(lc: LongContextCheck) -> str:
+    if lc.kv_cache_at_fault():
+        return (
+            "the quantized KV cache loses it (with a 16-bit one it holds): a 16-bit KV "
+            "cache (kv_cache: null), calibrated per-head scales (kv_cache.strategy: "
+            "attn_head) or 16-bit KV on chosen layers (kv_cache.skip_layers)"
+        )
+    return (
+        "the weights lose it (a 16-bit KV cache does not bring it back, see the figure "
+        "beside each length): more bits per weight where it matters (`qship tune`), or, "
+        "where the reference itself retrieves rarely, more serve.long_context.trials"
+    )
 
 
 def _perf(artifact: Path, report: VerifyReport, reference: Path, raw: Path | None) -> VerifyReport:

@@ -118,6 +118,16 @@ class LongContextCheck(Record):
     seconds: float = 0.0
     """Wall time of the check (every model and length)."""
 
+    def kv_cache_at_fault(self) -> bool:
+        """Every failing length retrieves within max_drop with a 16-bit KV cache: the
+        quantized KV cache lost it. False when the weights lose it too (Gemma 3 270M's
+        mixed recipe: 0 % with either cache, H100 2026-12-06) or there is no 16-bit run."""
+        bad = [r for r in self.rows if r.drop > self.max_drop]
+        return bool(bad) and all(
+            r.served_16bit is not None and r.reference - r.served_16bit <= self.max_drop
+            for r in bad
+        )
+
     def summary(self) -> str:
         head = "long-context check " + ("PASSED" if self.passed else "FAILED")
         rows = ", ".join(
