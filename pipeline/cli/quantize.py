@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from .. import log
+from ..errors import UsageError
 from ..records.checkpoint import QuantizedCheckpoint
 from ..records.plan import Plan
 from .common import (
@@ -136,6 +137,10 @@ def quantize_cmd(
     from ..recipe import load_recipe
     from ..runner.stages import Context, check_recipe
 
+    if not model.is_dir():  # a Path: "gguf-pkg://x" has already become "gguf-pkg:/x"
+        raise UsageError(f"{model}: not a checkpoint directory", path="--model",
+                         hint="quantize takes a local folder; `qship fetch SRC` writes one from "
+                         "hf://, a .gguf or gguf-pkg://, and `qship run` takes those directly")  # fmt: skip
     r = load_recipe(recipe)
     # as `qship run` does: the plan and the estimate before any weight is read (exit 2), auto
     # offload resolved by it, the process held to --gpu-memory
