@@ -151,11 +151,11 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
             name += "_"
         qm_groups = {**qm_groups, name: query}
     if qm_groups or (kv is not None and not gptq_sets):
-        # targets=[]: with no config group of its own (the KV scheme alone, beside AutoRound)
-        # llm-compressor makes a default group on every Linear, the head included, and unties
-        # a tied embedding for it (Gemma 3 270M: 724 MB stored for 389 MB planned)
-        mods.append(QuantizationModifier(config_groups=qm_groups, kv_cache_scheme=kv,
-                                         **({} if qm_groups else {"targets": []})))  # fmt: skip
+        # targets=[]: the config groups name their own targets; the modifier's default
+        # ("Linear") is used only when there are none (the KV scheme alone, beside
+        # AutoRound), as a group on every Linear, the head included, for which
+        # llm-compressor unties a tied embedding (Gemma 3 270M: 724 MB stored for 389 planned)
+        mods.append(QuantizationModifier(config_groups=qm_groups, kv_cache_scheme=kv, targets=[]))
         kv = None
     for names in gptq_sets.values():
         opts = groups[names[0]].options
