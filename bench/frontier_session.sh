@@ -150,23 +150,24 @@ fz_gemma() {
 }
 fz_gemma_ar() { tune_gemma autoround-w4a; }
 # Issue 31 item 2 beside a formats session (bench/formats_session.sh brings vLLM's environment
-# and touches $S/vllm.ready): one Gemma base tuned at 4.25 bits, then served as packaged
-exact_served() {  # RECIPE_FILE TAG: its exact KL (`qship compare --exact`, the quantize cached
-  # for the run after it), then `qship run` and vLLM serving it, once $S/vllm.ready is there
-  $Q compare --model "$G" --recipes "$1" --out "$S/cmp-gemma-$2" --cache-dir "$S/cache" --device cuda \
-    --exact --json > "$S/cmp-gemma-$2.json" 2> "$S/cmp-gemma-$2.log"
-  echo "== exact gemma $2 rc $?"
+# and touches $S/vllm.ready): Gemma recipes served as packaged
+served_when_ready() {  # RECIPE_FILE TAG: `qship run` and vLLM serving it, once vLLM is in
   while [ ! -f "$S/vllm.ready" ]; do sleep 3; done
   serve "$G" "gemma-$2" "$S/cache" "$1"
 }
-tuned_served() {  # BASE, task-free (notask), tuned; NOVERIFY=1 leaves the base unverified (the
-  # tune's own verification is of base and tuned), then exact KL and served
+exact_served() {  # RECIPE_FILE TAG: its exact KL (`qship compare --exact`, the quantize cached
+  # for the run after it), then served
+  $Q compare --model "$G" --recipes "$1" --out "$S/cmp-gemma-$2" --cache-dir "$S/cache" --device cuda \
+    --exact --json > "$S/cmp-gemma-$2.json" 2> "$S/cmp-gemma-$2.log"
+  echo "== exact gemma $2 rc $?"
+  served_when_ready "$1" "$2"
+}
+tuned_served() {  # BASE, task-free (notask), tuned at 4.25 bits and served; NOVERIFY=1 leaves
+  # the base unverified and gives the tuned recipe its exact KL before it is served
   TUNE_DIR=$N tune_gemma "$1"
   local t=$S/tuned/gemma-$1.yaml
   [ -f "$t" ] || return 1
-  if [ "${NOVERIFY:-0}" = 1 ]; then exact_served "$t" "$1-tuned"; return; fi
-  while [ ! -f "$S/vllm.ready" ]; do sleep 3; done
-  serve "$G" "gemma-$1-tuned" "$S/cache" "$t"
+  if [ "${NOVERIFY:-0}" = 1 ]; then exact_served "$t" "$1-tuned"; else served_when_ready "$t" "$1-tuned"; fi
 }
 fz_qwen() {
   MB=$(qwen_gptq_w4)
@@ -225,8 +226,9 @@ moe-early)  # the MoE job alone, while the rest is staged (it needs only the whe
 tuned-served)  # after formats_session.sh start-gemma (the GGUF joined): each of $BASES in
   # its own job on cores ${TCORES:-5-9}, TUNE_OPTS its options; `collect` with JOBS="ts_BASE ..."
   notask
-  python3 bench/frontier_session.py notask "$N" $(for b in ${BASES:-autoround-w4a gptq-w4a-imatrix}; do echo "$L/$b.yaml"; done)
-  for b in ${BASES:-autoround-w4a gptq-w4a-imatrix}; do
+  B=${BASES:-autoround-w4a gptq-w4a-imatrix}
+  python3 bench/frontier_session.py notask "$N" $(for b in $B; do echo "$L/$b.yaml"; done)
+  for b in $B; do
     setsid nohup taskset -c "${TCORES:-5-9}" env TUNE_OPTS="${TUNE_OPTS:-}" NOVERIFY="${NOVERIFY:-0}" bash -c \
       "bash bench/frontier_session.sh run-ts $b > $S/ts_$b.log 2>&1; touch $S/ts_$b.done" > /dev/null 2>&1 &
   done
