@@ -47,8 +47,8 @@
 #            (bench/perf_bench.py) of Qwen's artifacts ($PERF_QWEN), then of the 8B checkpoints
 #            ($PERF_R8B, in that order),
 #            each beside its 16-bit reference
-#   start-bench6  Gemma's formats with lm-eval's six tasks on their full sets (the first alone, its
-#            reference cached, then the rest at once; WAIT_FOR="gemma qwen r8b bench6" then)
+#   start-bench6 / start-bench6q  Gemma's / Qwen's formats with lm-eval's six tasks on their
+#            full sets (the first alone, its reference cached, then the rest at once)
 #   start-caps  the capped 8B runs again on cores 0-4 (after a fix), the waiter restarted to
 #            wait for them too
 #   after-speed MODEL  once the speed bench is done, start-MODEL and a speed bench of its own
@@ -256,9 +256,11 @@ probe-w4a8)  # after art-T-w4a8-fp8 exists and vLLM is in: its CUTLASS W4A8 kern
   ;;
 run-gemma) link; quality gemma "$G" ;;
 run-bench6) link; bench6 gemma "$G" ;;
-start-bench6)  # after start-gemma (the GGUF joined): Gemma's formats on the six full sets
-  # (BCORES: its cores, 13-15 beside the other jobs; more when it runs beside one job only)
-  link; bg bench6 "${BCORES:-13-15}"
+run-bench6q) link; bench6 qwen "$QG" ;;
+start-bench6|start-bench6q)  # after start-gemma / start-qwen (the GGUF joined): Gemma's / Qwen's
+  # formats on the six full sets (BCORES: its cores, 13-15 beside the other jobs; more when it
+  # runs beside one job only)
+  link; bg "${1#start-}" "${BCORES:-13-15}"
   ;;
 run-qwen) link; quality qwen "$QG" ;;
 run-r8b) link; r8b ;;
@@ -267,7 +269,7 @@ collect)
   if [ "${WAIT:-0}" = 1 ]; then
     for j in ${JOBS:-speed}; do while [ ! -f "$S/$j.done" ]; do sleep 5; done; done
   fi
-  for j in gemma qwen r8b bench6 served speed; do
+  for j in gemma qwen r8b bench6 bench6q served speed; do
     echo "## $j $([ -f $S/$j.done ] && echo done)"; grep -E "^==|FAILED|Error" "$S/$j.log" 2>/dev/null | tail -12
   done
   for f in "$S"/*-served.log "$S"/gemma-*.log "$S"/qwen-*.log; do
