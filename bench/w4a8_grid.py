@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.evaluate.numerics import w4a8_scales
+from pipeline.evaluate.numerics import int4_levels, w4a8_scales, w4a8_weight
 
 FP8 = torch.float8_e4m3fn
 GROUP = 128
@@ -39,12 +39,10 @@ def nearest(x: torch.Tensor, lv: torch.Tensor) -> torch.Tensor:
     return lv.gather(1, (x[:, :, None] - lv[:, None, :]).abs().argmin(-1))
 
 
-def served(g: torch.Tensor, s: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Minmax-style q from scale s, read as served; and (s8, chan) per group."""
-    s8, chan = w4a8_scales(s.reshape(rows, -1))
-    s8, chan = s8.reshape(-1), chan.expand(rows, s8.shape[1]).reshape(-1)
-    q = torch.round(g / s[:, None]).clamp(-8, 7)
-    return (q * s8[:, None]).to(FP8).float() * chan[:, None], torch.stack([s8, chan])
+def served(w: torch.Tensor, s: torch.Tensor, rows: int) -> torch.Tensor:
+    """Minmax-style q from group scales s, read as the kernel reads it [G, GROUP]."""
+    s = s.reshape(rows, -1)
+    return w4a8_weight(int4_levels(w, s), s).reshape(-1, GROUP)
 
 
 def errors(w: torch.Tensor) -> dict[str, float]:
@@ -61,10 +59,11 @@ def errors(w: torch.Tensor) -> dict[str, float]:
         e = sq(torch.round(g / (s * r)[:, None]).clamp(-8, 7) * (s * r)[:, None])
         sm, best = torch.where(e < best, s * r, sm), torch.minimum(best, e)
     out["uniform_mse"] = best
-    w_served, (s8, chan) = served(g, s, rows)
-    out["served"] = sq(w_served)
+    out["served"] = sq(served(w, s, rows))
+    s8, chan = w4a8_scales(s.reshape(rows, -1))
+    s8, chan = s8.reshape(-1), chan.expand(rows, s8.shape[1]).reshape(-1)
     out["served_nearest"] = sq(nearest(g, levels(s8, chan)))
-    out["served_mse"] = sq(served(g, sm, rows)[0])
+    out["served_mse"] = sq(served(w, sm, rows))
     ideal = s / chan  # the s8 that would make the served scale equal s
     fp8 = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     fp8 = fp8[torch.isfinite(fp8) & (fp8 > 0)].unique()
