@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.evaluate.numerics import int4_levels, w4a8_scales, w4a8_weight
+from pipeline.model.w4a8 import int4_levels, w4a8_scales, w4a8_weight
 
 FP8 = torch.float8_e4m3fn
 GROUP = 128

@@ -67,8 +67,9 @@ def serve(art: Path, dump: Path, layers: list[int]) -> None:
 def compare(art: Path, dump: Path, out_json: Path | None) -> dict:
     from safetensors.torch import load_file
 
-    from pipeline.evaluate.numerics import fp8_token_quant, int4_levels, serve_linears, w4a8_scales
+    from pipeline.evaluate.numerics import fp8_token_quant, serve_linears
     from pipeline.model.loading import load_model
+    from pipeline.model.w4a8 import int4_levels, w4a8_scales
 
     d = load_file(str(dump))
     names = sorted({k.rsplit(".", 1)[0] for k in d if k.endswith(".x")})

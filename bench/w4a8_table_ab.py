@@ -15,7 +15,8 @@ import time
 
 from share_common import arguments, mean_kl, reference_and_candidate
 
-from pipeline.evaluate.numerics import int4_levels, serve_linears, w4a8_scales
+from pipeline.evaluate.numerics import serve_linears
+from pipeline.model.w4a8 import int4_levels, w4a8_scales
 
 
 def main() -> None:

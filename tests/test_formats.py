@@ -326,7 +326,8 @@ def test_activation_rounding_matches_the_reference():
 def test_serve_linears_reproduces_the_kernels_on_a_checkpoint(written):
     """On the W4A8 checkpoint: every Linear's input is rounded per token to FP8, its weight
     is q * (vLLM's FP8 group scale); the layer's output equals that arithmetic by hand."""
-    from pipeline.evaluate.numerics import fp8_token_quant, serve_linears, w4a8_scales
+    from pipeline.evaluate.numerics import fp8_token_quant, serve_linears
+    from pipeline.model.w4a8 import w4a8_scales
 
     out = written["w4a8-fp8"][1]
     m = load_model(out, device="cpu")

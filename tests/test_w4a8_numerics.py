@@ -9,7 +9,7 @@ import torch
 
 
 def test_w4a8_scales_are_vllms_fp8_pair():
-    from pipeline.evaluate.numerics import w4a8_scales
+    from pipeline.model.w4a8 import w4a8_scales
 
     torch.manual_seed(1)
     s = torch.rand(64, 8) * 0.02 + 1e-4
@@ -27,7 +27,7 @@ def test_w4a8_scales_are_vllms_fp8_pair():
 def test_w4a8_weight_is_the_kernels_fp8_product_table():
     """Each weight is one of the group's eight FP8 products q * s8 (negated for q > 0),
     times the channel factor: not the exact product q * s8."""
-    from pipeline.evaluate.numerics import w4a8_scales, w4a8_weight
+    from pipeline.model.w4a8 import w4a8_scales, w4a8_weight
 
     torch.manual_seed(2)
     s = torch.rand(16, 4) * 0.02 + 1e-4

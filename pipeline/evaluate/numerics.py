@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+from ..model.w4a8 import FP8_MAX, FP8_MIN_SCALE, int4_levels, is_w4a8, w4a8_weight
 
 
 def fp8_round(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -101,14 +101,11 @@ def served_attention(model: Any, numerics: str, hooked: list[torch.nn.Module]) -
 #   FP8 per 128-group        scale = max(amax, 1e-10) / 448 per group (per_token_group_quant_fp8)
 #   INT8 per token, dynamic  scale = amax / 127, round half to even, saturate (scaled_int8_quant)
 #   static (per tensor)      the stored input_scale
-# and W4A8 (CUTLASS, sm90) runs the int4 weights with its group scales stored in FP8: per
-# output channel c = max|s| / 448 (QuantFP8 per token over the scale row), then
-# s8 = fp8(fp8(s / c) / 8) and c * 8 (quant_utils.convert_bf16_scales_to_fp8), each weight
-# taken as fp8(q * s8) * c * 8 (the scale table of CUTLASS's int4 x FP8 main loop).
+# and W4A8 (CUTLASS, sm90) runs the int4 weights as model/w4a8.py derives them: group scales
+# in FP8 with a factor per output channel, each weight an FP8-rounded product.
 # compressed-tensors' own activation rounding differs in small ways (scales in the model
 # dtype, no lower bound), and it knows nothing of W4A8's FP8 scales.
 
-FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 INT8_MAX = 127.0
 
 
@@ -141,28 +138,6 @@ def static_quant(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
     return (q * scale).to(x.dtype)
 
 
-def w4a8_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group scales [out, groups] as vLLM's CUTLASS W4A8 kernel stores them: the FP8
-    group scales s8 (as float32 values) and the float32 factor per output channel."""
-    s = scales.float()
-    chan = (s.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
-    s8 = (s / chan).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    s8 = (s8.float() / 8.0).to(torch.float8_e4m3fn)
-    return s8.float(), chan * 8.0
-
-
-def w4a8_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """int4 values q [out, groups, group] as the kernel multiplies them, in float32. Its
-    main loop reads each weight from a table of the group's products q * s8 for q in
-    -8..-1, each rounded to FP8 (CUTLASS's packed_scale_t, filled by
-    cutlass_pack_scale_fp8; positive q by negation), so the product is FP8-rounded
-    before the per-channel factor: up to 1/16 off where q * s8 needs more than FP8's
-    four significant bits."""
-    s8, chan = w4a8_scales(scales)
-    w = (q.float() * s8.unsqueeze(-1)).to(torch.float8_e4m3fn).float()
-    return w * chan.unsqueeze(-1)
-
-
 def _act_quant(module: Any, args: Any) -> Any:
     if args.dynamic:
         if args.type == "float":
@@ -172,13 +147,6 @@ def _act_quant(module: Any, args: Any) -> Any:
     scale = float(module.input_scale.float().max().item())
     kind = str(args.type).rsplit(".", 1)[-1].lower()
     return lambda x: static_quant(x, scale, kind)
-
-
-def int4_levels(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The int4 values q [out, groups, group] of a decompressed group-quantized weight
-    (q * s) and its group scales [out, groups]."""
-    wf = weight.float().reshape(weight.shape[0], scales.shape[1], -1)
-    return torch.round(wf / scales.float().unsqueeze(-1)).clamp(-8, 7)
 
 
 def _w4a8(module: Any) -> None:
@@ -209,9 +177,7 @@ def serve_linears(model: Any) -> int:
         act = getattr(scheme, "input_activations", None)
         if scheme is None or act is None or getattr(module, "_qship_served", False):
             continue
-        w = scheme.weights
-        if w is not None and str(w.type).endswith("int") and w.num_bits == 4 and \
-                str(act.type).endswith("float"):  # fmt: skip
+        if is_w4a8(scheme):
             _w4a8(module)
         quant = _act_quant(module, act)
         module.quantization_scheme = scheme.model_copy(update={"input_activations": None})

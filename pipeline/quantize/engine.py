@@ -53,6 +53,7 @@ from .patches import (
 )
 from .plan import build_plan
 from .resume import LayerStore, restoring
+from .w4a8_gptq import gptq_rounds_to_served_w4a8
 
 
 def quantize(
@@ -158,12 +159,15 @@ def _quantize(
 
     t1 = time.perf_counter()
     lean = contextlib.nullcontext() if bare else awq_lean_grid_search()
+    # bare: the library's own rounding too
+    w4a8 = contextlib.nullcontext([0]) if bare else gptq_rounds_to_served_w4a8()
     store = LayerStore(resume_dir, plan)
     with (
         without_accelerator() as pin_patched,
         rank_local_device(),
         hooked_attention_stays_hooked(),
         lean,
+        w4a8 as rounded_count,
         capture_metrics(model, plan, on_layer=ranks.layer_done, store=store) as got,
         restoring(model, store),
     ):
@@ -182,6 +186,9 @@ def _quantize(
     t_oneshot = time.perf_counter() - t1
     peaks.end_phase("oneshot")
     got.expert_tokens = ranks.summed(got.expert_tokens)  # each rank saw its share
+    served_rounded = ranks.summed({"n": rounded_count[0]})["n"]  # each rank its own modules
+    if served_rounded:
+        log.detail(f"GPTQ rounded {served_rounded} W4A8 Linears to the weights vLLM serves")
     check_expert_tokens(got.expert_tokens, plan, recipe, model_dir)
     log.detail(f"oneshot done in {t_oneshot:.1f} s; saving compressed")
 
@@ -260,6 +267,7 @@ def _quantize(
             peak_memory=peaks.result(),
             rank_peak_memory=rank_peaks,
             cpu_pin_memory_patch=pin_patched,
+            served_rounding_modules=served_rounded,
         )
         record.write(tmp)  # (modes: atomic_dir and the writers follow the umask)
     store.clear()  # the checkpoint is complete: its layers are not needed again

@@ -163,6 +163,14 @@ class Scheme(_Strict):
                                  f"{self.strategy}")  # fmt: skip
         return self
 
+    @property
+    def w4a8(self) -> bool:
+        """Symmetric int4 group weights with FP8 activations: what vLLM's CUTLASS W4A8
+        kernel serves (its GPTQ rounds to the served weights: quantize/w4a8_gptq.py)."""
+        act = self.activations
+        return (self.type == "int" and self.bits == 4 and self.symmetric
+                and self.strategy == "group" and act is not None and act.type == "float")  # fmt: skip
+
 
 class Target(_Strict):
     """Where the checkpoint will be served; the plan refuses (or flags) what that engine

@@ -183,6 +183,9 @@ class QuantizedCheckpoint(Record):
     """Under torch.distributed: each rank's peak through calibration and save, by rank."""
     cpu_pin_memory_patch: bool = False
     """True when AWQ's activation pinning had to be disabled (no accelerator)."""
+    served_rounding_modules: int = 0
+    """W4A8 Linears whose GPTQ rounded to the weights vLLM's CUTLASS W4A8 kernel serves
+    (quantize/w4a8_gptq.py) instead of q * s."""
 
     @property
     def seconds(self) -> float:

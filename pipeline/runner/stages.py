@@ -187,6 +187,9 @@ def quantize_key(
     }
     if processes > 1:  # statistics reduced across ranks sum in another order
         inputs["processes"] = processes
+    if any(g.method == "gptq" and g.scheme is not None and g.scheme.w4a8 for g in recipe.groups):
+        # qship's own rounding, not a library's: entries from before it are other checkpoints
+        inputs["gptq_rounding"] = "served-w4a8"
     return stage_key("quantize", inputs)
 
 
