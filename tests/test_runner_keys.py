@@ -1,6 +1,7 @@
-"""The quantize stage's cache key: every recipe field that changes the weights is in it, so a
-changed recipe can never be served a checkpoint made for another (a SmoothQuant strength was
-not: 0.5 and 0.8 shared one entry until 2026-12-06)."""
+"""The quantize and evaluate stages' cache keys. Every recipe field that changes the weights
+is in the quantize key, so a changed recipe can never be served a checkpoint made for another
+(a SmoothQuant strength was not: 0.5 and 0.8 shared one entry until 2026-12-06); qship's own
+rounding and its simulation of the serving engine are in them where they apply."""
 
 from __future__ import annotations
 
@@ -40,3 +41,41 @@ def test_a_recipe_without_the_optional_fields_keeps_its_key():
     old = {"model": SNAP.model_hash, "calib": TOKENS.calib_hash, "device": "cpu",
            "recipe": {k: resolved[k] for k in ("dtype", "groups", "kv_cache", "calibration")}}  # fmt: skip
     assert _key(r) == stages.stage_key("quantize", old)
+
+
+def test_w4a8_gptq_keys_qships_own_rounding():
+    """GPTQ rounds W4A8 weights to the served values (quantize/w4a8_gptq.py): its cache
+    entries from before are other checkpoints; W4A16 with the same weights keeps its key."""
+    r = load_recipe(ROOT / "recipes" / "w4a8-fp8.yaml")
+    resolved = r.resolved()
+    old = {"model": SNAP.model_hash, "calib": TOKENS.calib_hash, "device": "cpu",
+           "recipe": {k: resolved[k] for k in ("dtype", "groups", "kv_cache", "calibration")}}  # fmt: skip
+    assert _key(r) != stages.stage_key("quantize", old)
+    assert _key(r) == stages.stage_key("quantize", {**old, "gptq_rounding": "served-w4a8"})
+    g = r.groups[0]
+    assert g.scheme is not None and g.scheme.w4a8
+    w4a16 = g.model_copy(update={"scheme": g.scheme.model_copy(update={"activations": None})})
+    assert not w4a16.scheme.w4a8
+
+
+def test_an_evaluation_computed_as_served_is_keyed_by_the_simulations_revision(monkeypatch):
+    """An evaluation whose candidate qship computes as vLLM would (activations rounded, an
+    FP8 KV cache) is recomputed when that simulation changes; a weight-only one is not."""
+    from pipeline.evaluate import numerics
+
+    ctx = SimpleNamespace(device="cpu", exact_kl=True)
+    toks = SimpleNamespace(heldout_hash="h" * 64)
+
+    def keys(name: str) -> tuple[str, str]:
+        r = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+        before = stages.evaluate_key(SNAP, "q", r, toks, ctx)  # type: ignore[arg-type]
+        monkeypatch.setattr(numerics, "SERVED_NUMERICS", "next-revision")
+        after = stages.evaluate_key(SNAP, "q", r, toks, ctx)  # type: ignore[arg-type]
+        monkeypatch.undo()
+        return before, after
+
+    for served in ("w4a8-fp8", "fp8-dynamic", "gptq-w4"):  # activations, FP8 KV cache
+        before, after = keys(served)
+        assert before != after, served
+    before, after = keys("mixed-w4-nokv")  # 16-bit activations and KV cache
+    assert before == after

@@ -44,7 +44,7 @@ from ..records.evaluation import (
 )
 from ..records.tokens import TokenSetInfo
 from . import kl_stats, reference_cache
-from .numerics import serve_linears, served_attention
+from .numerics import SERVED_NUMERICS, serve_linears, served_attention
 from .scoring import (
     forward_logits,
     kv_modules,
@@ -213,6 +213,7 @@ def evaluate(
             kv_16bit_layers=list(skip),
             attention=numerics,
             weights_only_pass=do_kv_off,
+            served_numerics=SERVED_NUMERICS if (n_linear or n_hooked) else None,
         ),  # fmt: skip
         metrics=metrics,
         metrics_weights_only=metrics_off,

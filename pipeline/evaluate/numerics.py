@@ -22,6 +22,13 @@ import torch
 
 from ..model.w4a8 import FP8_MAX, FP8_MIN_SCALE, int4_levels, is_w4a8, w4a8_weight
 
+# The simulation's revision, recorded with every evaluation it computed and part of the
+# stage key of evaluations it touches: bump it when the simulated arithmetic changes, so
+# cached figures of the old arithmetic are recomputed rather than reused or compared.
+# r1 the query rounded to FP8 with the KV cache; r2 Linear inputs as vLLM's W8A8 / W4A8
+# kernels round them; r3 W4A8's FP8 group scales and FP8-rounded products.
+SERVED_NUMERICS = "vllm-0.26/r3"
+
 
 def fp8_round(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """x through float8_e4m3fn with a static scale (per tensor, or a tensor that broadcasts

@@ -265,6 +265,11 @@ class EvalSettings(Record):
     as vLLM serves it on CUDA), `kv-only` (K and V), or no FP8 KV cache."""
     kv_16bit_layers: list[int] = []
     """Decoder layers whose K, V and query stayed 16-bit (kv_cache.skip_layers)."""
+    served_numerics: str | None = None
+    """The revision of qship's simulation of the serving engine's arithmetic
+    (evaluate/numerics.py: SERVED_NUMERICS) the candidate was computed with; None when it
+    had nothing to simulate (16-bit activations and KV cache). Figures of two revisions
+    are not comparable."""
 
 
 class KVShare(Record):

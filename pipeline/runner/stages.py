@@ -237,6 +237,30 @@ def quantize_stage(
     return qc, key
 
 
+def evaluate_key(snapshot: Snapshot, qkey: str, recipe: Recipe, tokens: TokenSets,
+                 ctx: Context) -> str:  # fmt: skip
+    from ..evaluate.numerics import SERVED_NUMERICS
+
+    return stage_key(
+        "evaluate",
+        {
+            "reference": snapshot.model_hash,
+            "candidate": qkey,
+            "heldout": tokens.heldout_hash,
+            "evaluation": recipe.evaluation.model_dump(mode="json"),
+            "device": device_kind(ctx.device),
+            # only when set: the keys of the cached-mode entries stay as they were
+            **({"exact": True} if ctx.exact_kl else {}),
+            # a candidate computed as served is another figure when that arithmetic changes
+            **(
+                {"served_numerics": SERVED_NUMERICS}
+                if recipe.quantizes_activations() or recipe.kv_cache
+                else {}
+            ),  # fmt: skip
+        },
+    )
+
+
 def evaluate_stage(
     snapshot: Snapshot, qc: QuantizedCheckpoint, qkey: str, recipe: Recipe,
     tokens: TokenSets, evdata: EvalData, ctx: Context,
@@ -244,18 +268,7 @@ def evaluate_stage(
     from ..evaluate import evaluate
 
     ev = recipe.evaluation
-    key = stage_key(
-        "evaluate",
-        {
-            "reference": snapshot.model_hash,
-            "candidate": qkey,
-            "heldout": tokens.heldout_hash,
-            "evaluation": ev.model_dump(mode="json"),
-            "device": device_kind(ctx.device),
-            # only when set: the keys of the cached-mode entries stay as they were
-            **({"exact": True} if ctx.exact_kl else {}),
-        },
-    )
+    key = evaluate_key(snapshot, qkey, recipe, tokens, ctx)
 
     def build(tmp: Path) -> dict[str, Any]:
         rep = evaluate(
