@@ -11,6 +11,12 @@ group's FP8 scale s8 and the channel factor as numerics.w4a8_scales derives them
 group scales), instead of q * scale, so GPTQ's error feedback carries the served error. The
 stored q and scales are unchanged in kind: vLLM derives the same s8 and chan from them.
 Only symmetric int4 group weights with FP8 activations take the patched rounding.
+
+The prototype of qship's own GPTQ for W4A8 (pipeline/quantize/w4a8_gptq.py, since
+2026-12-07), which also stores exactly the q it chose (this script stores the served value
+and lets compressed-tensors re-round it). With that in qship, qship's rounding runs first for
+W4A8 Linears and this patch is never reached: the script reproduces the rows of 2026-12-06
+and 2026-12-07 only when run on a tree before commit 8b8cfe1.
 """
 
 from __future__ import annotations
