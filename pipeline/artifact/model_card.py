@@ -179,6 +179,12 @@ def render(
         lines += [f"Size: {q.size_bytes / 1e6:,.0f} MB of weights against {dense_bytes / 1e6:,.0f} "
                   f"MB in {dtype} ({q.size_bytes / dense_bytes:.0%}; {q.bits_per_weight:.3f} "
                   "bits per quantized weight).", ""]  # fmt: skip
+    if q is not None and q.served_rounding_modules:
+        lines += [f"W4A8: GPTQ chose the int4 values of its {q.served_rounding_modules} W4A8 "
+                  "Linears for the weights vLLM's CUTLASS W4A8 kernel (Hopper) serves, FP8 "
+                  "group scales and FP8-rounded products; the figures below are computed that "
+                  "way. An engine that computes q × scale exactly serves slightly other "
+                  "weights.", ""]  # fmt: skip
     lines += [reference_text(source), ""]
     v = evaluation.verdict
     if v is not None:

@@ -132,6 +132,9 @@ class QuantizeSummary(Record):
     """cuda_max_allocated (GPU, per quantize) or process_peak_rss (CPU, a high-water mark of the process)."""
     formats: list[str] = []
     """The weight and activation formats of its quantized Linears (W4A16, W8A8-FP8 ...)."""
+    served_rounding_modules: int = 0
+    """W4A8 Linears whose int4 values GPTQ chose for vLLM's CUTLASS W4A8 kernel
+    (QuantizedCheckpoint.served_rounding_modules)."""
 
 
 class QuantizedCheckpoint(Record):
@@ -203,6 +206,7 @@ class QuantizedCheckpoint(Record):
             peak_mem_bytes=peak,
             peak_mem_kind=kind,
             formats=sorted({m.scheme.format_label() for m in self.plan.modules if m.scheme}),
+            served_rounding_modules=self.served_rounding_modules,
         )
 
     def write(self, folder: Path) -> None:
