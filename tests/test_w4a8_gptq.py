@@ -13,7 +13,14 @@ import torch
 from small_recipes import small_recipe
 
 from pipeline.model.loading import load_model
-from pipeline.model.w4a8 import INT4, nearest_served, served_values, w4a8_scales, w4a8_weight
+from pipeline.model.w4a8 import (
+    INT4,
+    int4_levels,
+    nearest_served,
+    served_values,
+    w4a8_scales,
+    w4a8_weight,
+)
 
 
 def test_nearest_served_is_the_nearest_of_the_sixteen_served_weights():
@@ -96,7 +103,7 @@ def test_served_rounding_brings_each_layers_served_output_nearer(both, tiny_llam
         for name, x in inputs.items():
             lin = m.get_submodule(name)
             w, s = lin.weight.detach().float(), lin.weight_scale.detach().float()
-            q = torch.round(w.reshape(w.shape[0], s.shape[1], -1) / s.unsqueeze(-1))
+            q = int4_levels(w, s)
             assert torch.equal(q.reshape(w.shape) * s.repeat_interleave(128, 1), w)  # q * s
             served = w4a8_weight(q, s).reshape(w.shape)
             w0 = ref.get_submodule(name).weight.detach().float()
