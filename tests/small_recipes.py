@@ -21,3 +21,12 @@ def small_recipe(dest_dir: Path, base: str, samples: int = 8) -> Path:
     p = Path(dest_dir) / f"{base}-small.yaml"
     p.write_text(yaml.safe_dump(d, sort_keys=False))
     return p
+
+
+def stored_format(checkpoint: Path) -> dict:
+    """A checkpoint's quantization_config without what differs between equal formats (the
+    library version, the measured compression ratio)."""
+    import json
+
+    c = json.loads((Path(checkpoint) / "config.json").read_text())["quantization_config"]
+    return {k: v for k, v in c.items() if k not in ("version", "global_compression_ratio")}

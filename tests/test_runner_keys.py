@@ -58,6 +58,25 @@ def test_w4a8_gptq_keys_qships_own_rounding():
     assert not w4a16.scheme.w4a8
 
 
+def test_w4a8_without_gptq_keys_its_own_rounding():
+    """RTN (and AWQ) W4A8 weights moved to the served values (quantize/w4a8_rtn.py) key
+    that rounding; a recipe with GPTQ and RTN W4A8 groups keys both."""
+    r = load_recipe(ROOT / "recipes" / "w4a8-fp8.yaml")
+    rtn = r.model_copy(update={"groups": [g.model_copy(update={"method": "rtn"})
+                                          if g.method == "gptq" else g for g in r.groups]})  # fmt: skip
+    resolved = rtn.resolved()
+    old = {"model": SNAP.model_hash, "calib": TOKENS.calib_hash, "device": "cpu",
+           "recipe": {k: resolved[k] for k in ("dtype", "groups", "kv_cache", "calibration")}}  # fmt: skip
+    assert _key(rtn) == stages.stage_key("quantize", {**old, "rtn_rounding": "served-w4a8"})
+    both = r.model_copy(update={"groups": [*r.groups, rtn.groups[0].model_copy(
+        update={"name": "other"})]})  # fmt: skip
+    resolved = both.resolved()
+    old["recipe"] = {k: resolved[k] for k in ("dtype", "groups", "kv_cache", "calibration")}
+    assert _key(both) == stages.stage_key(
+        "quantize", {**old, "gptq_rounding": "served-w4a8", "rtn_rounding": "served-w4a8"}
+    )
+
+
 def test_an_evaluation_computed_as_served_is_keyed_by_the_simulations_revision(monkeypatch):
     """An evaluation whose candidate qship computes as vLLM would (activations rounded, an
     FP8 KV cache) is recomputed when that simulation changes; a weight-only one is not."""

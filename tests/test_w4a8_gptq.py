@@ -6,11 +6,10 @@ with the weights as served, is nearer the unquantized layer's on held-out text."
 from __future__ import annotations
 
 import contextlib
-import json
 
 import pytest
 import torch
-from small_recipes import small_recipe
+from small_recipes import small_recipe, stored_format
 
 from pipeline.model.loading import load_model
 from pipeline.model.w4a8 import (
@@ -69,11 +68,7 @@ def test_the_format_and_scales_are_the_same_the_rounding_is_not(both):
     assert rec[True].served_rounding_modules == rec[True].checkpoint.quantized_modules == 28
     assert rec[False].served_rounding_modules == 0
 
-    def qc(r):
-        c = json.loads((r.path / "config.json").read_text())["quantization_config"]
-        return {k: v for k, v in c.items() if k not in ("version", "global_compression_ratio")}
-
-    assert qc(rec[True]) == qc(rec[False])
+    assert stored_format(rec[True].path) == stored_format(rec[False].path)
     key = "model.layers.0.mlp.down_proj."
     with safe_open(str(rec[True].path / "model.safetensors"), "pt") as a, \
          safe_open(str(rec[False].path / "model.safetensors"), "pt") as b:  # fmt: skip

@@ -180,11 +180,11 @@ def render(
                   f"MB in {dtype} ({q.size_bytes / dense_bytes:.0%}; {q.bits_per_weight:.3f} "
                   "bits per quantized weight).", ""]  # fmt: skip
     if q is not None and q.served_rounding_modules:
-        lines += [f"W4A8: GPTQ chose the int4 values of its {q.served_rounding_modules} W4A8 "
-                  "Linears for the weights vLLM's CUTLASS W4A8 kernel (Hopper) serves, FP8 "
-                  "group scales and FP8-rounded products; the figures below are computed that "
-                  "way. An engine that computes q × scale exactly serves slightly other "
-                  "weights.", ""]  # fmt: skip
+        lines += [f"W4A8: the int4 values of its {q.served_rounding_modules} W4A8 Linears "
+                  "were chosen (by GPTQ, or nearest for RTN) for the weights vLLM's CUTLASS "
+                  "W4A8 kernel (Hopper) serves, FP8 group scales and FP8-rounded products; "
+                  "the figures below are computed that way. An engine that computes q × scale "
+                  "exactly serves slightly other weights.", ""]  # fmt: skip
     lines += [reference_text(source), ""]
     v = evaluation.verdict
     if v is not None:

@@ -54,6 +54,7 @@ from .patches import (
 from .plan import build_plan
 from .resume import LayerStore, restoring
 from .w4a8_gptq import gptq_rounds_to_served_w4a8
+from .w4a8_rtn import rtn_rounds_to_served_w4a8
 
 
 def quantize(
@@ -112,6 +113,11 @@ def _oneshot_kwargs(recipe: Recipe, tokens: TokenSets, bare: bool) -> dict[str, 
     elif not bare:
         kwargs["pipeline"] = "datafree"
     return kwargs
+
+
+def _not_by_gptq(plan: Plan) -> list[str]:
+    """The quantized modules whose int4 values no GPTQ chose (RTN, AWQ)."""
+    return [m.name for m in plan.modules if m.scheme is not None and m.method in ("rtn", "awq")]
 
 
 def _layer_at(plan: Plan, done: list[LayerTime]) -> str:
@@ -189,6 +195,11 @@ def _quantize(
     served_rounded = ranks.summed({"n": rounded_count[0]})["n"]  # each rank its own modules
     if served_rounded:
         log.detail(f"GPTQ rounded {served_rounded} W4A8 Linears to the weights vLLM serves")
+    if not bare:  # every rank holds every weight here and moves the same ones the same way
+        moved = rtn_rounds_to_served_w4a8(model, _not_by_gptq(plan))
+        served_rounded += moved
+        if moved:
+            log.detail(f"rounded {moved} W4A8 Linears without GPTQ to the weights vLLM serves")
     check_expert_tokens(got.expert_tokens, plan, recipe, model_dir)
     log.detail(f"oneshot done in {t_oneshot:.1f} s; saving compressed")
 

@@ -133,7 +133,7 @@ class QuantizeSummary(Record):
     formats: list[str] = []
     """The weight and activation formats of its quantized Linears (W4A16, W8A8-FP8 ...)."""
     served_rounding_modules: int = 0
-    """W4A8 Linears whose int4 values GPTQ chose for vLLM's CUTLASS W4A8 kernel
+    """W4A8 Linears whose int4 values were chosen for vLLM's CUTLASS W4A8 kernel
     (QuantizedCheckpoint.served_rounding_modules)."""
 
 
@@ -187,8 +187,8 @@ class QuantizedCheckpoint(Record):
     cpu_pin_memory_patch: bool = False
     """True when AWQ's activation pinning had to be disabled (no accelerator)."""
     served_rounding_modules: int = 0
-    """W4A8 Linears whose GPTQ rounded to the weights vLLM's CUTLASS W4A8 kernel serves
-    (quantize/w4a8_gptq.py) instead of q * s."""
+    """W4A8 Linears rounded to the weights vLLM's CUTLASS W4A8 kernel serves instead of
+    q * s: by GPTQ (quantize/w4a8_gptq.py) or, without it, to the nearest (w4a8_rtn.py)."""
 
     @property
     def seconds(self) -> float:

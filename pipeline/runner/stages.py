@@ -187,9 +187,13 @@ def quantize_key(
     }
     if processes > 1:  # statistics reduced across ranks sum in another order
         inputs["processes"] = processes
-    if any(g.method == "gptq" and g.scheme is not None and g.scheme.w4a8 for g in recipe.groups):
-        # qship's own rounding, not a library's: entries from before it are other checkpoints
+    # qship's own rounding of W4A8 weights, not a library's: entries from before it are other
+    # checkpoints (quantize/w4a8_gptq.py, quantize/w4a8_rtn.py)
+    w4a8 = {g.method for g in recipe.groups if g.scheme is not None and g.scheme.w4a8}
+    if "gptq" in w4a8:
         inputs["gptq_rounding"] = "served-w4a8"
+    if w4a8 & {"rtn", "awq"}:
+        inputs["rtn_rounding"] = "served-w4a8"
     return stage_key("quantize", inputs)
 
 
