@@ -15,13 +15,11 @@ from pipeline.model.w4a8 import channel_factor, int4_levels, nearest_served, w4a
 
 
 @pytest.fixture(scope="module")
-def both(tmp_path_factory, tiny_llama):
-    """tiny-llama under W4A8 with RTN, with qship's served rounding and without it."""
+def rtn_w4a8(tmp_path_factory, tiny_llama):
+    """The data-free W4A8 recipe (shrunk) with RTN, its tokens and a work folder."""
     from transformers import AutoTokenizer
 
-    import pipeline.quantize.engine as engine
     from pipeline.data.tokens import build_token_sets
-    from pipeline.quantize import quantize
     from pipeline.recipe import load_recipe
 
     work = tmp_path_factory.mktemp("w4a8rtn")
@@ -32,6 +30,16 @@ def both(tmp_path_factory, tiny_llama):
     r = load_recipe(path)
     tokens = build_token_sets(AutoTokenizer.from_pretrained(tiny_llama), r.calibration,
                               r.evaluation, cache_dir=work / "cache")  # fmt: skip
+    return r, tokens, work
+
+
+@pytest.fixture(scope="module")
+def both(rtn_w4a8, tiny_llama):
+    """tiny-llama under W4A8 with RTN, with qship's served rounding and without it."""
+    import pipeline.quantize.engine as engine
+    from pipeline.quantize import quantize
+
+    r, tokens, work = rtn_w4a8
     out = {True: quantize(tiny_llama, r, work / "served", tokens=tokens, device="cpu")}
     mp = pytest.MonkeyPatch()
     mp.setattr(engine, "rtn_rounds_to_served_w4a8", lambda model, names: 0)
@@ -42,31 +50,49 @@ def both(tmp_path_factory, tiny_llama):
     return out
 
 
+def _nearest_served_levels(checkpoint, reference):
+    """For each quantized Linear: (stored q, q of the nearest served weight of the
+    unquantized weight, the scales)."""
+    m = load_model(checkpoint, device="cpu")
+    for name, lin in m.named_modules():
+        if hasattr(lin, "weight_scale"):
+            s = lin.weight_scale.detach().float()
+            w0 = reference.get_submodule(name).weight.detach().float()
+            eff = s.repeat_interleave(w0.shape[1] // s.shape[1], 1)
+            want, _ = nearest_served(w0, eff, channel_factor(s))
+            yield name, int4_levels(lin.weight.detach(), s).reshape(w0.shape), want, s
+
+
 def test_rtn_w4a8_stores_the_nearest_served_level_of_each_weight(both, tiny_llama):
     rec = both
     assert rec[True].served_rounding_modules == rec[True].checkpoint.quantized_modules == 28
     assert rec[False].served_rounding_modules == 0
-
     assert stored_format(rec[True].path) == stored_format(rec[False].path)
     ref = load_model(tiny_llama, device="cpu")
-    on, off = load_model(rec[True].path, device="cpu"), load_model(rec[False].path, device="cpu")
+    off = load_model(rec[False].path, device="cpu")
     moved = 0
-    for name, lin in on.named_modules():
-        if not hasattr(lin, "weight_scale"):
-            continue
-        s = lin.weight_scale.detach().float()
-        assert torch.equal(s, off.get_submodule(name).weight_scale.detach().float())
+    for name, q_on, want, s in _nearest_served_levels(rec[True].path, ref):
         w0 = ref.get_submodule(name).weight.detach().float()
-        eff = s.repeat_interleave(w0.shape[1] // s.shape[1], 1)
-        q_on = int4_levels(lin.weight.detach(), s).reshape(w0.shape)
+        assert torch.equal(s, off.get_submodule(name).weight_scale.detach().float())
         q_off = int4_levels(off.get_submodule(name).weight.detach(), s).reshape(w0.shape)
-        want, _ = nearest_served(w0, eff, channel_factor(s))
         assert torch.equal(q_on, want), name
         moved += int((q_on != q_off).sum())
         err = [float((w4a8_weight(q.reshape(*s.shape, -1), s).reshape(w0.shape) - w0).square().sum())
                for q in (q_on, q_off)]  # fmt: skip
         assert err[0] <= err[1], name
     assert moved > 0  # the served grid is not the uniform one
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_offloaded_weights_move_too(rtn_w4a8, tiny_llama, offload):
+    from pipeline.quantize import quantize
+
+    r, tokens, work = rtn_w4a8
+    rec = quantize(tiny_llama, r, work / offload, tokens=tokens, device="cpu", offload=offload)
+    assert rec is not None and rec.served_rounding_modules == 28
+    ref = load_model(tiny_llama, device="cpu")
+    for name, q, want, _ in _nearest_served_levels(rec.path, ref):
+        assert torch.equal(q, want), name
 
 
 def test_only_w4a8_linears_move():
