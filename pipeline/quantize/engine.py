@@ -189,17 +189,17 @@ def _quantize(
                 if "out of memory" in str(e).lower()
                 else None,
             ) from e
+    # every rank holds every weight here and moves the same ones the same way
+    moved = 0 if bare else rtn_rounds_to_served_w4a8(model, _not_by_gptq(plan))
     t_oneshot = time.perf_counter() - t1
     peaks.end_phase("oneshot")
     got.expert_tokens = ranks.summed(got.expert_tokens)  # each rank saw its share
     served_rounded = ranks.summed({"n": rounded_count[0]})["n"]  # each rank its own modules
     if served_rounded:
         log.detail(f"GPTQ rounded {served_rounded} W4A8 Linears to the weights vLLM serves")
-    if not bare:  # every rank holds every weight here and moves the same ones the same way
-        moved = rtn_rounds_to_served_w4a8(model, _not_by_gptq(plan))
-        served_rounded += moved
-        if moved:
-            log.detail(f"rounded {moved} W4A8 Linears without GPTQ to the weights vLLM serves")
+    if moved:
+        log.detail(f"rounded {moved} W4A8 Linears without GPTQ to the weights vLLM serves")
+    served_rounded += moved
     check_expert_tokens(got.expert_tokens, plan, recipe, model_dir)
     log.detail(f"oneshot done in {t_oneshot:.1f} s; saving compressed")
 

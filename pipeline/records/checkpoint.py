@@ -91,7 +91,7 @@ class QuantizeTimings(Record):
     load_and_plan: float
     """Seconds to load the model and build the plan and modifiers."""
     oneshot: float
-    """Seconds in llm-compressor's oneshot (calibration + compression)."""
+    """Seconds in llm-compressor's oneshot (calibration + compression) and qship's W4A8 rounding."""
     save: float
     """Seconds to save the compressed checkpoint."""
     total: float
