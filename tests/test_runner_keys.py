@@ -59,7 +59,7 @@ def test_w4a8_gptq_keys_qships_own_rounding():
 
 
 def test_w4a8_without_gptq_keys_its_own_rounding():
-    """RTN (and AWQ) W4A8 weights moved to the served values (quantize/w4a8_rtn.py) key
+    """RTN's W4A8 weights moved to the served values (quantize/w4a8_rtn.py) key
     that rounding; a recipe with GPTQ and RTN W4A8 groups keys both."""
     r = load_recipe(ROOT / "recipes" / "w4a8-fp8.yaml")
     rtn = r.model_copy(update={"groups": [g.model_copy(update={"method": "rtn"})

@@ -115,9 +115,10 @@ def _oneshot_kwargs(recipe: Recipe, tokens: TokenSets, bare: bool) -> dict[str, 
     return kwargs
 
 
-def _not_by_gptq(plan: Plan) -> list[str]:
-    """The quantized modules whose int4 values no GPTQ chose (RTN, AWQ)."""
-    return [m.name for m in plan.modules if m.scheme is not None and m.method in ("rtn", "awq")]
+def _by_rtn(plan: Plan) -> list[str]:
+    """The quantized modules whose values RTN chose (the recipe schema allows W4A8 with RTN
+    and GPTQ only)."""
+    return [m.name for m in plan.modules if m.scheme is not None and m.method == "rtn"]
 
 
 def _layer_at(plan: Plan, done: list[LayerTime]) -> str:
@@ -190,7 +191,7 @@ def _quantize(
                 else None,
             ) from e
     # every rank holds every weight here and moves the same ones the same way
-    moved = 0 if bare else rtn_rounds_to_served_w4a8(model, _not_by_gptq(plan))
+    moved = 0 if bare else rtn_rounds_to_served_w4a8(model, _by_rtn(plan))
     t_oneshot = time.perf_counter() - t1
     peaks.end_phase("oneshot")
     got.expert_tokens = ranks.summed(got.expert_tokens)  # each rank saw its share

@@ -1,5 +1,5 @@
-"""W4A8 weights that no GPTQ rounded (RTN, AWQ) moved to the int4 value whose *served*
-weight is nearest, before the checkpoint is written.
+"""W4A8 weights that RTN quantized moved to the int4 value whose *served* weight is
+nearest, before the checkpoint is written.
 
 Round-to-nearest picks q = round(w / s); vLLM's CUTLASS W4A8 kernel then serves
 fp8(q * s8) * c * 8, not q * s (model/w4a8.py), and for some weights another q's served
@@ -45,7 +45,7 @@ def served_rounding(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def rtn_rounds_to_served_w4a8(model: Any, names: Iterable[str]) -> int:
-    """Moves the weights of the W4A8 Linears among `names` (modules no GPTQ rounded) to the
+    """Moves the weights of the W4A8 Linears among `names` (modules RTN quantized) to the
     served rounding, offloaded ones included; how many it moved."""
     from compressed_tensors.offload import align_module_device, update_offload_parameter
 

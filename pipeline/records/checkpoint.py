@@ -188,7 +188,7 @@ class QuantizedCheckpoint(Record):
     """True when AWQ's activation pinning had to be disabled (no accelerator)."""
     served_rounding_modules: int = 0
     """W4A8 Linears rounded to the weights vLLM's CUTLASS W4A8 kernel serves instead of
-    q * s: by GPTQ (quantize/w4a8_gptq.py) or, without it, to the nearest (w4a8_rtn.py)."""
+    q * s: by GPTQ (quantize/w4a8_gptq.py) or, under RTN, to the nearest (w4a8_rtn.py)."""
 
     @property
     def seconds(self) -> float:

@@ -192,7 +192,7 @@ def quantize_key(
     w4a8 = {g.method for g in recipe.groups if g.scheme is not None and g.scheme.w4a8}
     if "gptq" in w4a8:
         inputs["gptq_rounding"] = "served-w4a8"
-    if w4a8 & {"rtn", "awq"}:
+    if "rtn" in w4a8:
         inputs["rtn_rounding"] = "served-w4a8"
     return stage_key("quantize", inputs)
 
