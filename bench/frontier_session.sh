@@ -234,8 +234,11 @@ tuned-served)  # after formats_session.sh start-gemma (the GGUF joined): each of
   done
   ;;
 run-ts) notask keep; [ -f "$G" ] || exit 1; tuned_served "$2" ;;
-exact-served)  # after formats_session.sh start-gemma: each recipe of $RS (names in $L, task-free)
-  # in its own job on cores ${TCORES:-5-9}: exact KL, then served (e.g. the AutoRound tuned one)
+exact-served)  # once the Gemma parts are in (joined here if start-gemma has not): each recipe of
+  # $RS (names in $L, task-free) in its own job on cores ${TCORES:-5-9}: exact KL, then served
+  # (e.g. the AutoRound tuned one). Without every part it stops here, saying which are missing
+  # (2026-12-07: a job started without the manifest's part ended at once, silently)
+  [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
   for r in $RS; do
     setsid nohup taskset -c "${TCORES:-5-9}" bash -c \
       "bash bench/frontier_session.sh run-es $r > $S/es_$r.log 2>&1; touch $S/es_$r.done" > /dev/null 2>&1 &

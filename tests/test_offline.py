@@ -70,6 +70,9 @@ def test_split_join_roundtrip_and_damage(tmp_path):
     with pytest.raises(SystemExit) as done:
         offline.main(["complete", str(parts)])
     assert done.value.code == 1
+    (parts / "manifest.json").unlink()  # the carry that holds it not staged yet: said so
+    with pytest.raises(SystemExit, match="no manifest.json: stage the carry that holds it"):
+        offline.join(parts, tmp_path / "again.gguf")
 
 
 def test_cli_help_runs():

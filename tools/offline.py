@@ -97,6 +97,8 @@ def missing(src: Path, m: dict) -> list[str]:
 
 
 def join(src: Path, out: Path | None) -> Path:
+    if not (src / MANIFEST).is_file():  # it travels with one of the parts: not staged yet
+        sys.exit(f"{src}: no {MANIFEST}: stage the carry that holds it (with one of the parts)")
     m = json.loads((src / MANIFEST).read_text())
     names = [p["name"] for p in m["parts"]]
     extra = sorted({p.name for p in src.glob(f"{m['file']}.part*")} - set(names))
