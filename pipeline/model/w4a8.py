@@ -20,6 +20,9 @@ import torch
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's lower bound on a dynamic FP8 scale
 INT4 = torch.arange(-8, 8, dtype=torch.float32)  # the 16 values of symmetric int4
+# W4A8-FP8 checkpoints are bfloat16 (quantize/serving.py refuses others), and vLLM derives
+# its FP8 scales from the group scales as stored: quantize rounds with them at that precision
+STORED_DTYPE = torch.bfloat16
 
 
 def is_w4a8(scheme: Any) -> bool:
@@ -30,6 +33,11 @@ def is_w4a8(scheme: Any) -> bool:
     return (w is not None and act is not None and str(w.type).endswith("int")
             and w.num_bits == 4 and w.symmetric and str(w.strategy).endswith("group")
             and str(act.type).endswith("float"))  # fmt: skip
+
+
+def served_by_w4a8(module: Any) -> bool:
+    """Whether a quantized module (its compressed-tensors scheme attached) is W4A8."""
+    return is_w4a8(getattr(module, "quantization_scheme", None))
 
 
 def _fp8(x: torch.Tensor) -> torch.Tensor:

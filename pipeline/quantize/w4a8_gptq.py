@@ -24,18 +24,11 @@ from typing import Any
 
 import torch
 
-from ..model.w4a8 import channel_factor, is_w4a8, nearest_served
+from ..model.w4a8 import STORED_DTYPE, channel_factor, nearest_served, served_by_w4a8
 from .patches import check_replaceable, patched
 
-# W4A8-FP8 checkpoints are bfloat16 (serving.py refuses others), and vLLM derives its FP8
-# scales from the group scales as stored: the rounding uses them at that precision
-STORED_DTYPE = torch.bfloat16
 _BLOCK_PARAMS = ("W1", "Hinv1", "Q1", "Err1", "losses1", "scale", "zero_point",
                  "global_scale", "g_idx", "quant_args", "i1")  # fmt: skip
-
-
-def served_by_w4a8(module: Any) -> bool:
-    return is_w4a8(getattr(module, "quantization_scheme", None))
 
 
 def served_block_update(W1: torch.Tensor, Hinv1: torch.Tensor, Q1: torch.Tensor,

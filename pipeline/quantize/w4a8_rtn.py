@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from ..model.w4a8 import channel_factor, nearest_served
-from .w4a8_gptq import STORED_DTYPE, served_by_w4a8
+from ..model.w4a8 import STORED_DTYPE, channel_factor, nearest_served, served_by_w4a8
 
 # weights per slice of rows: nearest_served builds a 16-entry float32 table per weight
 # (64 bytes each), so a slice costs about 64 x this in bytes (256 MiB)
