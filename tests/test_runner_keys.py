@@ -19,6 +19,14 @@ def _key(r: Recipe) -> str:
     return stages.quantize_key(SNAP, r, TOKENS, "cpu")  # type: ignore[arg-type]
 
 
+def _bare_inputs(r: Recipe) -> dict:
+    """The quantize key's inputs for `r` as they were before any optional field or qship
+    rounding was added to them."""
+    resolved = r.resolved()
+    return {"model": SNAP.model_hash, "calib": TOKENS.calib_hash, "device": "cpu",
+            "recipe": {k: resolved[k] for k in ("dtype", "groups", "kv_cache", "calibration")}}  # fmt: skip
+
+
 def test_every_recipe_field_is_declared_in_or_out_of_the_key():
     declared = stages._QUANT_FIELDS + stages._QUANT_OPTIONAL + stages._NOT_QUANT_FIELDS
     assert sorted(declared) == sorted(Recipe.model_fields), "decide where a new field goes"
@@ -37,19 +45,14 @@ def test_smoothquant_strength_is_part_of_the_key():
 def test_a_recipe_without_the_optional_fields_keeps_its_key():
     """Entries made before smoothquant existed stay valid for recipes without it."""
     r = load_recipe(ROOT / "recipes" / "gptq-w4.yaml")
-    resolved = r.resolved()
-    old = {"model": SNAP.model_hash, "calib": TOKENS.calib_hash, "device": "cpu",
-           "recipe": {k: resolved[k] for k in ("dtype", "groups", "kv_cache", "calibration")}}  # fmt: skip
-    assert _key(r) == stages.stage_key("quantize", old)
+    assert _key(r) == stages.stage_key("quantize", _bare_inputs(r))
 
 
 def test_w4a8_gptq_keys_qships_own_rounding():
     """GPTQ rounds W4A8 weights to the served values (quantize/w4a8_gptq.py): its cache
     entries from before are other checkpoints; W4A16 with the same weights keeps its key."""
     r = load_recipe(ROOT / "recipes" / "w4a8-fp8.yaml")
-    resolved = r.resolved()
-    old = {"model": SNAP.model_hash, "calib": TOKENS.calib_hash, "device": "cpu",
-           "recipe": {k: resolved[k] for k in ("dtype", "groups", "kv_cache", "calibration")}}  # fmt: skip
+    old = _bare_inputs(r)
     assert _key(r) != stages.stage_key("quantize", old)
     assert _key(r) == stages.stage_key("quantize", {**old, "gptq_rounding": "served-w4a8"})
     g = r.groups[0]
@@ -64,16 +67,14 @@ def test_w4a8_without_gptq_keys_its_own_rounding():
     r = load_recipe(ROOT / "recipes" / "w4a8-fp8.yaml")
     rtn = r.model_copy(update={"groups": [g.model_copy(update={"method": "rtn"})
                                           if g.method == "gptq" else g for g in r.groups]})  # fmt: skip
-    resolved = rtn.resolved()
-    old = {"model": SNAP.model_hash, "calib": TOKENS.calib_hash, "device": "cpu",
-           "recipe": {k: resolved[k] for k in ("dtype", "groups", "kv_cache", "calibration")}}  # fmt: skip
-    assert _key(rtn) == stages.stage_key("quantize", {**old, "rtn_rounding": "served-w4a8"})
+    assert _key(rtn) == stages.stage_key(
+        "quantize", {**_bare_inputs(rtn), "rtn_rounding": "served-w4a8"}
+    )
     both = r.model_copy(update={"groups": [*r.groups, rtn.groups[0].model_copy(
         update={"name": "other"})]})  # fmt: skip
-    resolved = both.resolved()
-    old["recipe"] = {k: resolved[k] for k in ("dtype", "groups", "kv_cache", "calibration")}
     assert _key(both) == stages.stage_key(
-        "quantize", {**old, "gptq_rounding": "served-w4a8", "rtn_rounding": "served-w4a8"}
+        "quantize",
+        {**_bare_inputs(both), "gptq_rounding": "served-w4a8", "rtn_rounding": "served-w4a8"},
     )
 
 
