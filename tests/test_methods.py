@@ -51,11 +51,12 @@ def run(tmp_path_factory, tiny_llama):
 
 def test_autoround_and_awq_scales_beat_rtn(run):
     """What each method reliably delivers over RTN at the same scheme, on 2 threads.
-    Measured (KL ratio to RTN, tiny Llama, 16 x 128 calibration tokens): AutoRound 50
-    steps 0.86 / 0.81 / 0.88 for calibration seeds 0 / 1 / 2 on the 2-core dev box (200 steps:
-    0.86, no better) and 0.91 for seed 0 on another x86 box -- the floating-point path moves
-    it by 5 points, so 10 % was not a margin it always has; AWQ's scales under GPTQ 0.69-0.70
-    on every seed. The bounds sit below the worst seen by ~4 and ~20 points."""
+    Measured (KL ratio to RTN, tiny Llama, 16 x 128 calibration tokens, 2-core dev box):
+    AutoRound 50 steps 0.63, AWQ's scales under GPTQ 0.69 (0.69-0.70 on every seed). Until
+    auto-round's zero points were stored (autoround_modifier.py) AutoRound gave 0.81-0.91: its
+    asymmetric grid was read with zero point 0 and clamped, which the old bound of 0.95 let
+    pass. The bounds sit ~12 and ~16 points above what was measured (the floating-point path
+    moved AutoRound's ratio by 5 points between machines)."""
     q_rtn, kl_rtn = run(_variant("rtn-a", "rtn"))
     q_ar, kl_ar = run(_variant("autoround-a", "autoround", {"iters": 50}))
     q_awq, kl_awq = run(_variant("gptq-awq-a", "gptq", {"awq_scales": True}))
@@ -69,7 +70,7 @@ def test_autoround_and_awq_scales_beat_rtn(run):
     assert any(mp.applied for mp in q_awq.plan.mappings)
     assert not q_rtn.plan.mappings
     print(f"\nKL rtn {kl_rtn:.5f}  autoround {kl_ar:.5f}  awq+gptq {kl_awq:.5f}")
-    assert kl_ar < 0.95 * kl_rtn and kl_awq < 0.85 * kl_rtn
+    assert kl_ar < 0.75 * kl_rtn and kl_awq < 0.85 * kl_rtn
 
 
 def test_autoround_tunes_each_module_at_its_own_scheme(tiny_llama, tmp_path):
@@ -129,7 +130,8 @@ def test_autoround_keeps_tied_embeddings_tied(tiny_gemma, tmp_path):
     keeps the tie, and the post-save check refuses a checkpoint larger than its plan. With
     an FP8 KV cache (as recipes/autoround-w4a.yaml ships) the KV scheme's own modifier untied
     it too: its default config group targets every Linear (the tuned Gemma recipe was
-    refused at 724 MB for 389 planned, H100 2026-12-06)."""
+    refused at 724 MB for 389 planned, H100 2026-12-06). In this configuration auto-round's
+    zero points were lost too (every packed word 0x88888888: zero point 0 in each group)."""
     import json
 
     from safetensors import safe_open
@@ -142,6 +144,8 @@ def test_autoround_keeps_tied_embeddings_tied(tiny_gemma, tmp_path):
     q = quantize(tiny_gemma, r, tmp_path / "q", tokens=ts, device="cpu")
     with safe_open(str(q.path / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())
+        zps = [f.get_tensor(k).flatten() for k in f.keys() if k.endswith("weight_zero_point")]
+    assert zps and len(set(torch.cat(zps).tolist())) > 1  # asymmetric groups' own zero points
     assert json.loads((q.path / "config.json").read_text())["tie_word_embeddings"] is True
     assert q.checkpoint.bytes < 1.05 * q.checkpoint.expected_bytes
     config = json.loads((q.path / "config.json").read_text())
