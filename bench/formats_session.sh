@@ -259,7 +259,9 @@ run-bench6) link; bench6 gemma "$G" ;;
 run-bench6q) link; bench6 qwen "$QG" ;;
 start-bench6|start-bench6q)  # after start-gemma / start-qwen (the GGUF joined): Gemma's / Qwen's
   # formats on the six full sets (BCORES: its cores, 13-15 beside the other jobs; more when it
-  # runs beside one job only)
+  # runs beside one job only). Both at once beside AutoRound and two served checks ran one
+  # lm-eval child out of GPU memory (CUDA OOM at load, its tasks skipped: 2026-12-07); BENCH6
+  # names the recipes (e.g. BENCH6=w4a8-fp8 for one row)
   link; bg "${1#start-}" "${BCORES:-13-15}"
   ;;
 run-qwen) link; quality qwen "$QG" ;;
