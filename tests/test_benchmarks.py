@@ -182,3 +182,50 @@ def test_run_refuses_a_benchmark_it_calibrated_on(
         s["stage"] for s in json.loads((Path(f"{out}.report") / "run.json").read_text())["stages"]
     ]
     assert "quantize" not in stages
+
+
+def test_a_task_whose_child_died_is_reported_and_run_again(
+    tmp_path, tiny_llama, benchmark_data_dir, qship_test_cache, capsys, monkeypatch
+):
+    """An lm-eval child that dies (killed here, as the OOM killer does; on the H100 on
+    2026-12-07 one hit CUDA out of memory) leaves its tasks skipped with the reason. The run
+    says which did not run, and the next run measures them instead of reading the skip back
+    from the stage cache (before: skipped for good under that cache key)."""
+    from pipeline import log
+    from pipeline.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "name": "tasks-retry",
+        "groups": [{"name": "all", "targets": ["re:.*_proj$"], "method": "rtn",
+                    "scheme": {"bits": 4, "group_size": 32}}],
+        "others": "keep",
+        "calibration": {"num_samples": 4, "seq_len": 64},
+        "evaluation": {"sequences": 2, "seq_len": 64, "tasks": ["arc_easy"], "limit": 4},
+    }))  # fmt: skip
+    real = log.run_child
+
+    def killed(cmd, *, label, **kw):
+        return (-9, "") if label.startswith("lm-eval") else real(cmd, label=label, **kw)
+
+    def run(out):
+        capsys.readouterr()
+        rc = main(["run", "--model", str(tiny_llama), "--recipe", str(recipe), "--out", str(out),
+                   "--cache-dir", str(qship_test_cache), "--device", "cpu", "--json"])  # fmt: skip
+        report = Path(f"{out}.report")
+        rows = {s["stage"]: s for s in json.loads((report / "run.json").read_text())["stages"]}
+        return rc, json.loads((report / "eval.json").read_text()), rows, capsys.readouterr().err
+
+    monkeypatch.setattr(log, "run_child", killed)
+    rc, ev, rows, err = run(tmp_path / "a")
+    assert rc == 0, "no task gate: the run passes, and says what did not run"
+    task = ev["benchmarks"]["tasks"]["arc_easy"]
+    assert task["status"] == "skipped" and "signal 9" in task["reason"]
+    assert "0 of 1 benchmark(s) ran" in rows["evaluate"]["note"]
+    assert "arc_easy did not run: lm-eval was killed by signal 9" in err
+
+    monkeypatch.setattr(log, "run_child", real)
+    rc, ev, rows, _ = run(tmp_path / "b")
+    assert rc == 0 and not rows["evaluate"]["cache_hit"]
+    assert ev["benchmarks"]["tasks"]["arc_easy"]["status"] == "ok"
+    assert "1 of 1 benchmark(s) ran" in rows["evaluate"]["note"]

@@ -83,6 +83,8 @@ def evaluate_cmd(
                           cache_dir=root, options=opts, data_dir=data, overlap=ov,
                           corpus=ts.info)  # fmt: skip
         line.note = report.summary()
+    for text in report.skipped_lines():
+        log.info(text, style="yellow")
     verdict = gate.check(report, r.gates, r.serve.gates if r.serve else None)
     qc = QuantizedCheckpoint.read(candidate)  # present when `qship quantize` wrote it
     result = EvalFile.of(report, verdict=verdict, quantize=qc.brief() if qc else None)

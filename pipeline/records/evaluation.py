@@ -142,6 +142,11 @@ class Benchmarks(Record):
     seconds: dict[str, float] = {}
     """lm-eval wall time per model: reference (0 when all cached) and candidate."""
 
+    def skipped(self, names: list[str] | None = None) -> dict[str, str]:
+        """{task: why} of the tasks (all, or those of `names`) that did not run."""
+        return {n: t.reason or "not run" for n, t in self.tasks.items()
+                if t.status != "ok" and (names is None or n in names)}  # fmt: skip
+
 
 class OverlapSet(Record):
     items: int
@@ -354,10 +359,17 @@ class EvalReport(Record):
 
     def summary(self) -> str:
         m = self.metrics
+        tasks, skipped = self.benchmarks.tasks, self.benchmarks.skipped()
+        ran = f"; {len(tasks) - len(skipped)} of {len(tasks)} benchmark(s) ran" if tasks else ""
         return (
             f"KL mean {m.kl.mean:.4g} ± {m.kl.stderr:.2g}, p99 {m.kl.p99:.3g}, top-1 "
             f"{m.top1_agreement:.3f}, ppl ratio {m.ppl_ratio:.3f} ({m.tokens} tokens, {m.kl_mode})"
+            f"{ran}"
         )
+
+    def skipped_lines(self) -> list[str]:
+        """One line per benchmark that did not run, with why (shown after the stage line)."""
+        return [f"  ! {t} did not run: {why[:200]}" for t, why in self.benchmarks.skipped().items()]
 
 
 class Probe(Record):

@@ -293,10 +293,17 @@ def evaluate_stage(
     with ctx.stage("evaluate", key) as line:
         entry = ctx.cache.get_or_build("evaluate", key, build)
         report = EvalReport.from_json(entry.record, where=str(entry.path), error=StageError)
+        if entry.hit and report.benchmarks.skipped(ev.tasks):
+            # a local benchmark that did not run (its lm-eval child ran out of memory, was
+            # killed) is measured again, not read back from the cache as skipped for good
+            entry = ctx.cache.get_or_build("evaluate", key, build, force=True)
+            report = EvalReport.from_json(entry.record, where=str(entry.path), error=StageError)
         if report.measured is not None:
             m = report.measured.model_copy(update={"file": str(entry.path / report.measured.file)})
             report = report.model_copy(update={"measured": m})
         line.note, line.cached = report.summary(), entry.hit
+    for text in report.skipped_lines():
+        log.info(text, style="yellow")
     return report
 
 
