@@ -153,6 +153,20 @@ def test_overlap_with_calibration_is_found_and_refused(benchmark_data_dir):
     refuse_if_contaminated(clean, where="recipe.yaml")  # nothing shared: no error
 
 
+def _arc_recipe(tmp_path: Path, name: str, *, limit: int, **calibration: str) -> Path:
+    """A tiny RTN recipe scored on ARC-Easy's first `limit` items, written to tmp_path."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "name": name,
+        "groups": [{"name": "all", "targets": ["re:.*_proj$"], "method": "rtn",
+                    "scheme": {"bits": 4, "group_size": 32}}],
+        "others": "keep",
+        "calibration": {"num_samples": 4, "seq_len": 64, **calibration},
+        "evaluation": {"sequences": 2, "seq_len": 64, "tasks": ["arc_easy"], "limit": limit},
+    }))  # fmt: skip
+    return recipe
+
+
 def test_run_refuses_a_benchmark_it_calibrated_on(
     tmp_path, tiny_llama, benchmark_data_dir, qship_test_cache, capsys
 ):
@@ -163,15 +177,7 @@ def test_run_refuses_a_benchmark_it_calibrated_on(
     arc = data.task_items("arc_easy", benchmark_data_dir, 40)
     text = "\n\n".join(" ".join(fields) for fields in arc)
     (tmp_path / "calib.txt").write_text(text * 3)
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(json.dumps({
-        "name": "leaky",
-        "groups": [{"name": "all", "targets": ["re:.*_proj$"], "method": "rtn",
-                    "scheme": {"bits": 4, "group_size": 32}}],
-        "others": "keep",
-        "calibration": {"source": str(tmp_path / "calib.txt"), "num_samples": 4, "seq_len": 64},
-        "evaluation": {"sequences": 2, "seq_len": 64, "tasks": ["arc_easy"], "limit": 40},
-    }))  # fmt: skip
+    recipe = _arc_recipe(tmp_path, "leaky", limit=40, source=str(tmp_path / "calib.txt"))
     out = tmp_path / "art"
     rc, res = qship(capsys, "run", "--model", str(tiny_llama), "--recipe", str(recipe),
                     "--out", str(out), "--cache-dir", str(qship_test_cache))  # fmt: skip
@@ -194,15 +200,7 @@ def test_a_task_whose_child_died_is_reported_and_run_again(
     from pipeline import log
     from pipeline.cli import main
 
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(json.dumps({
-        "name": "tasks-retry",
-        "groups": [{"name": "all", "targets": ["re:.*_proj$"], "method": "rtn",
-                    "scheme": {"bits": 4, "group_size": 32}}],
-        "others": "keep",
-        "calibration": {"num_samples": 4, "seq_len": 64},
-        "evaluation": {"sequences": 2, "seq_len": 64, "tasks": ["arc_easy"], "limit": 4},
-    }))  # fmt: skip
+    recipe = _arc_recipe(tmp_path, "tasks-retry", limit=4)
     real = log.run_child
 
     def killed(cmd, *, label, **kw):
