@@ -216,7 +216,7 @@ start-qwen)
   rm -f "$S"/qwen/*.part0*; bg qwen "${QCORES:-5-9}"
   ;;
 start-final)  # the last vLLM part in: its environment (the waiting served checks start); once
-  # every GPU job and check is done, alone on the GPU: served speed
+  # the jobs of WAIT_FOR (empty: none) and every check are done, alone on the GPU: served speed
   link; OUT=$S bash bench/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
   [ -x "$S/vllm-python" ] && touch "$S/vllm.ready"  # the waiting served checks start
   bash bench/formats_session.sh waiter
@@ -235,7 +235,7 @@ after-speed)  # a second round once the running speed bench is done: start-$2 (g
     > "$S/after-speed.log" 2>&1 < /dev/null &
   ;;
 waiter)
-  setsid nohup bash -c "for j in ${WAIT_FOR:-gemma qwen r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
+  setsid nohup bash -c "for j in ${WAIT_FOR-gemma qwen r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
     sleep 5; while pgrep -f '^python3 -m pipeline.cli verify' > /dev/null; do sleep 3; done;
     bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done" > /dev/null 2>&1 &
   sleep 2; tail -n 3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
