@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.evaluate import kl_stats
+from pipeline.records.benchmarks import Benchmarks, TaskResult
 from pipeline.records.checkpoint import QuantizeSummary
 from pipeline.records.evaluation import (
-    Benchmarks,
     CandidateRef,
     CorpusRef,
     EvalFile,
@@ -19,7 +19,6 @@ from pipeline.records.evaluation import (
     EvalSettings,
     Metrics,
     ModelRef,
-    TaskResult,
 )
 
 

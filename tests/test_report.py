@@ -29,7 +29,7 @@ from pipeline.errors import UsageError
 from pipeline.evaluate.kl_stats import KL_HIST_EDGES, kl_histogram
 from pipeline.evaluate.paired import paired
 from pipeline.records import Check, EvalFile, Probe, Verdict
-from pipeline.records.evaluation import TaskResult
+from pipeline.records.benchmarks import TaskResult
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 REF = {str(i): float(i < 60) for i in range(100)}

@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from ..recipe import KVCache, Recipe
-from ..records.evaluation import EvalFile, TaskResult
+from ..records.benchmarks import TaskResult
+from ..records.evaluation import EvalFile
 from ..records.snapshot import Snapshot
 
 DECIDE_PP = 2.0  # a benchmark row "decides" when its 95% CI can show a drop this large

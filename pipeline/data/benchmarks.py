@@ -37,7 +37,7 @@ from ..io.hashing import hash_files, list_files
 from ..io.network import pip_unreachable
 from ..io.pins import check_cached, pin_path, verify_against_pin
 from ..recipe import EvaluationConfig
-from ..records.evaluation import Overlap
+from ..records.benchmarks import Overlap
 from .overlap import measure, refuse_if_contaminated
 from .tokens import TokenSets
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..errors import UsageError
-from ..records.evaluation import Overlap, OverlapSet
+from ..records.benchmarks import Overlap, OverlapSet
 
 N = 13
 _WORD = re.compile(r"\w+")

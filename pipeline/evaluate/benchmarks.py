@@ -31,7 +31,8 @@ from .. import log
 from ..data import benchmarks as data
 from ..io.cache import StageCache, stage_key
 from ..model.devices import device_kind
-from ..records.evaluation import Benchmarks, ModelRef, TaskResult
+from ..records.benchmarks import Benchmarks, TaskResult
+from ..records.evaluation import ModelRef
 from .paired import paired
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,9 +29,9 @@ from ..errors import StageError, UsageError
 from ..model.devices import default_device
 from ..model.files import hash_model_dir
 from ..model.loading import load_model
+from ..records.benchmarks import Benchmarks, Overlap
 from ..records.checkpoint import kv_skip_layers
 from ..records.evaluation import (
-    Benchmarks,
     CandidateRef,
     CorpusRef,
     EvalOptions,
@@ -40,7 +40,6 @@ from ..records.evaluation import (
     KVShare,
     Metrics,
     ModelRef,
-    Overlap,
 )
 from ..records.tokens import TokenSetInfo
 from . import kl_stats, reference_cache

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from ..errors import StageError
-from ..records.evaluation import Score
+from ..records.benchmarks import Score
 
 Z95 = 1.959964
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from . import (
     artifact,
+    benchmarks,
     checkpoint,
     estimate,
     evaluation,
@@ -74,8 +75,8 @@ def _nested(cls: type[BaseModel], seen: set[str]) -> list[type[BaseModel]]:
 
 
 def _all() -> list[type[BaseModel]]:
-    mods = (snapshot, tokens, plan, estimate, checkpoint, evaluation, perf, served, verdict,
-            artifact, run)  # fmt: skip
+    mods = (snapshot, tokens, plan, estimate, checkpoint, evaluation, benchmarks, perf, served,
+            verdict, artifact, run)  # fmt: skip
     return [
         v
         for m in mods

@@ -19,8 +19,9 @@ from ..io.cache import StageCache, stage_key
 from ..io.pins import checksums_dir
 from ..model.devices import device_kind
 from ..recipe import Recipe, ServeGate
+from ..records.benchmarks import Overlap
 from ..records.checkpoint import QuantizedCheckpoint
-from ..records.evaluation import EvalOptions, EvalReport, ModelRef, Overlap
+from ..records.evaluation import EvalOptions, EvalReport, ModelRef
 from ..records.perf import ServedPerf
 from ..records.plan import Plan
 from ..records.run import StageRow
