@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ..recipe.formats import serves_as_w4a8
+
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's lower bound on a dynamic FP8 scale
 INT4 = torch.arange(-8, 8, dtype=torch.float32)  # the 16 values of symmetric int4
@@ -26,13 +28,19 @@ STORED_DTYPE = torch.bfloat16
 
 
 def is_w4a8(scheme: Any) -> bool:
-    """Whether a compressed-tensors QuantizationScheme is what the W4A8 kernel serves: int4
-    weights, symmetric, by group, with FP8 input activations."""
+    """Whether a compressed-tensors QuantizationScheme is what the W4A8 kernel serves (the
+    rule recipe.formats states for a recipe's scheme)."""
     w = getattr(scheme, "weights", None)
     act = getattr(scheme, "input_activations", None)
-    return (w is not None and act is not None and str(w.type).endswith("int")
-            and w.num_bits == 4 and w.symmetric and str(w.strategy).endswith("group")
-            and str(act.type).endswith("float"))  # fmt: skip
+    if w is None or act is None:
+        return False
+    return serves_as_w4a8(_value(w.type), w.num_bits, bool(w.symmetric), _value(w.strategy),
+                          _value(act.type))  # fmt: skip
+
+
+def _value(x: Any) -> str:
+    """A compressed-tensors enum member's value ("int", "group", ...), or the string given."""
+    return str(getattr(x, "value", x))
 
 
 def served_by_w4a8(module: Any) -> bool:

@@ -168,8 +168,17 @@ class Scheme(_Strict):
         """Symmetric int4 group weights with FP8 activations: what vLLM's CUTLASS W4A8
         kernel serves (its GPTQ rounds to the served weights: quantize/w4a8_gptq.py)."""
         act = self.activations
-        return (self.type == "int" and self.bits == 4 and self.symmetric
-                and self.strategy == "group" and act is not None and act.type == "float")  # fmt: skip
+        return serves_as_w4a8(self.type, self.bits, self.symmetric, self.strategy,
+                              act.type if act is not None else None)  # fmt: skip
+
+
+def serves_as_w4a8(
+    weight_type: str, bits: int, symmetric: bool, strategy: str | None, activation_type: str | None
+) -> bool:
+    """The one rule for W4A8 (a recipe's Scheme and a checkpoint's compressed-tensors scheme
+    both ask it): symmetric int4 weights by group with FP8 input activations."""
+    return (weight_type == "int" and bits == 4 and symmetric and strategy == "group"
+            and activation_type == "float")  # fmt: skip
 
 
 class Target(_Strict):
