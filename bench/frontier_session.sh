@@ -177,6 +177,12 @@ fz_qwen() {
   serve "$QG" qwen-tuned "$S/cacheq" "$S/tuned/qwen-gptq-w4a-mse.yaml"
 }
 
+per_job() {  # CORES JOBS: torch threads per job when JOBS share CORES. Two AutoRound jobs on
+  # 6 cores, each with an OpenMP thread per core, took 70 s a layer; one of them alone on 12
+  # cores 10 s (H100 2026-12-07; oversubscription the likely cause, not isolated)
+  local n; n=$(( $(taskset -c "$1" nproc) / $2 )); echo $(( n > 0 ? n : 1 ))
+}
+
 moe() {
   M=$S/moe
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
@@ -228,8 +234,9 @@ tuned-served)  # after formats_session.sh start-gemma (the GGUF joined): each of
   notask
   B=${BASES:-autoround-w4a gptq-w4a-imatrix}
   python3 bench/frontier_session.py notask "$N" $(for b in $B; do echo "$L/$b.yaml"; done)
+  set -- $B; T=$(per_job "${TCORES:-5-9}" $#)
   for b in $B; do
-    setsid nohup taskset -c "${TCORES:-5-9}" env TUNE_OPTS="${TUNE_OPTS:-}" NOVERIFY="${NOVERIFY:-0}" bash -c \
+    setsid nohup taskset -c "${TCORES:-5-9}" env OMP_NUM_THREADS="$T" TUNE_OPTS="${TUNE_OPTS:-}" NOVERIFY="${NOVERIFY:-0}" bash -c \
       "bash bench/frontier_session.sh run-ts $b > $S/ts_$b.log 2>&1; touch $S/ts_$b.done" > /dev/null 2>&1 &
   done
   ;;
@@ -239,8 +246,9 @@ exact-served)  # once the Gemma parts are in (joined here if start-gemma has not
   # (e.g. the AutoRound tuned one). Without every part it stops here, saying which are missing
   # (2026-12-07: a job started without the manifest's part ended at once, silently)
   [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
+  set -- $RS; T=$(per_job "${TCORES:-5-9}" $#)
   for r in $RS; do
-    setsid nohup taskset -c "${TCORES:-5-9}" bash -c \
+    setsid nohup taskset -c "${TCORES:-5-9}" env OMP_NUM_THREADS="$T" bash -c \
       "bash bench/frontier_session.sh run-es $r > $S/es_$r.log 2>&1; touch $S/es_$r.done" > /dev/null 2>&1 &
   done
   ;;
