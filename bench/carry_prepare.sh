@@ -43,7 +43,7 @@ fi
 if [ $# -eq 0 ]; then
   set -- recipes/*.yaml bench/recipes/formats/*.yaml bench/recipes/perf/*.yaml \
     bench/recipes/levers/gptq-w4-kvhead-q*.yaml bench/recipes/levers/rtn-w4-kvhead-q.yaml \
-    bench/recipes/levers/autoround-w4a-tune4.249*.yaml
+    bench/recipes/levers/autoround-w4a-tune4.249*.yaml recipes/models/*/*.yaml
 fi
 rm -rf .qship-gpu && "$PY" bench/export_corpus.py .qship-gpu "$@" --kl-only ${KL_ONLY-gptq-w4a-mse gemma-mixed-w4 w8-int8}
 have .benchcache || "$PY" -c "from pathlib import Path; from pipeline.data.benchmarks import \

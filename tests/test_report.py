@@ -166,6 +166,21 @@ def test_recommendation_per_goal_never_names_a_refused_recipe():
     assert recommendation(none).startswith("No recipe passed")
 
 
+def test_the_named_winners_are_shipped_recipes():
+    """Every recipe the recommendation names as a shipped winner is a file in recipes/ (a
+    renamed or withdrawn recipe must leave the list), and a tuned winner among the rows is
+    named with its goal."""
+    from pipeline.compare.report import WINNERS
+
+    shipped = {p.stem for p in (Path(__file__).parent.parent / "recipes").rglob("*.yaml")}
+    assert set(WINNERS) <= shipped, set(WINNERS) - shipped
+    rep = _report([{"name": "autoround-w4a-tune4.249-nokv", "bits_per_weight": 4.249,
+                    "kl_mean": 0.118, "passed": True}])  # fmt: skip
+    assert "autoround-w4a-tune4.249-nokv for the least KL within 4.25 bits on Gemma 3 270M" in (
+        recommendation(rep)
+    )
+
+
 def test_a_collected_row_whose_plan_splits_a_fused_set_is_refused(evals, tmp_path):
     from transformers import AutoConfig
 

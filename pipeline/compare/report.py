@@ -173,6 +173,12 @@ WINNERS = {
     "autoround-w4a": "the least KL of one portable 4-bit recipe (4.16 bits; AutoRound "
     "calibrates ~25x longer than GPTQ)",
     "gptq-w4a-mse": "GPTQ's speed, portable; the base `qship tune` starts from",
+    "autoround-w4a-tune4.249-nokv": "the least KL within 4.25 bits on Gemma 3 270M (16-bit "
+    "KV cache; recipes/models/gemma-3-270m)",
+    "gptq-w4a-imatrix-tune4.249": "the least KL within 4.25 bits on Gemma 3 270M with an FP8 "
+    "KV cache (recipes/models/gemma-3-270m)",
+    "gptq-w4-mse-kvhead-q-skip5": "a model whose FP8 KV cache costs much of its KL, at "
+    "gptq-w4's bits (Qwen2.5-Coder-0.5B: 26 % below gptq-w4)",
 }
 TUNED = re.compile(r"-tune\d")  # the names `qship tune` gives its recipes: <base>-tune4.248
 
