@@ -13,6 +13,7 @@ plain W4AFP8 (q and s); this is only how it is read.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -87,6 +88,13 @@ def int4_levels(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.round(wf / scales.float().unsqueeze(-1)).clamp(-8, 7)
 
 
+@functools.cache
+def _int4_on(device: torch.device) -> torch.Tensor:
+    """INT4 on `device`, copied once: GPTQ asks for it on every column, and a host-to-device
+    copy from pageable memory waits for the GPU each time."""
+    return INT4.to(device)
+
+
 def nearest_served(
     w: torch.Tensor, scale: torch.Tensor, chan: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +102,7 @@ def nearest_served(
     [...]: the int4 value q whose served weight is nearest, and that served weight. Where
     the group's s8 underflows to 0 every q serves 0 and q is w's uniform rounding."""
     s8 = fp8_group_scales(scale, chan)
-    table = served_values(INT4.to(w.device), s8.unsqueeze(-1), (chan * 8.0).unsqueeze(-1))
+    table = served_values(_int4_on(w.device), s8.unsqueeze(-1), (chan * 8.0).unsqueeze(-1))
     k = (w.float().unsqueeze(-1) - table).abs().argmin(dim=-1, keepdim=True)
     served = torch.gather(table, -1, k).squeeze(-1)
     q = torch.where(s8 > 0, k.squeeze(-1).float() - 8.0,
