@@ -166,13 +166,13 @@ def test_recommendation_per_goal_never_names_a_refused_recipe():
     assert recommendation(none).startswith("No recipe passed")
 
 
-def test_the_named_winners_are_shipped_recipes():
+def test_the_named_winners_are_shipped_recipes(repo_root):
     """Every recipe the recommendation names as a shipped winner is a file in recipes/ (a
     renamed or withdrawn recipe must leave the list), and a tuned winner among the rows is
     named with its goal."""
     from pipeline.compare.report import WINNERS
 
-    shipped = {p.stem for p in (Path(__file__).parent.parent / "recipes").rglob("*.yaml")}
+    shipped = {p.stem for p in (repo_root / "recipes").rglob("*.yaml")}
     assert set(WINNERS) <= shipped, set(WINNERS) - shipped
     rep = _report([{"name": "autoround-w4a-tune4.249-nokv", "bits_per_weight": 4.249,
                     "kl_mean": 0.118, "passed": True}])  # fmt: skip
@@ -181,7 +181,7 @@ def test_the_named_winners_are_shipped_recipes():
     )
 
 
-def test_a_collected_row_whose_plan_splits_a_fused_set_is_refused(evals, tmp_path):
+def test_a_collected_row_whose_plan_splits_a_fused_set_is_refused(evals, tmp_path, repo_root):
     from transformers import AutoConfig
 
     from pipeline.compare.rows import refused_by_plan
@@ -189,9 +189,8 @@ def test_a_collected_row_whose_plan_splits_a_fused_set_is_refused(evals, tmp_pat
     from pipeline.recipe import load_recipe
     from pipeline.records.plan import ModulePlan, Plan
 
-    root = Path(__file__).resolve().parent.parent
-    config = AutoConfig.from_pretrained(root / "tests" / "fixtures" / "models" / "tiny-llama")
-    good = plan_for_config(config, load_recipe(root / "recipes" / "gptq-w4.yaml"))
+    config = AutoConfig.from_pretrained(repo_root / "tests" / "fixtures" / "models" / "tiny-llama")
+    good = plan_for_config(config, load_recipe(repo_root / "recipes" / "gptq-w4.yaml"))
     (tmp_path / "plan.json").write_text(json.dumps(good.to_json()))
     assert refused_by_plan(tmp_path / "plan.json") is None
     mods: list[ModulePlan] = list(good.modules)
