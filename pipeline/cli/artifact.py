@@ -274,9 +274,11 @@ def _serve_check(
     sg = sg.model_copy(update={"engine": engine, "kv_cache_dtype": kv or sg.kv_cache_dtype})
     from ..artifact.verify import read_eval
 
-    measured = read_eval(artifact).measured  # its sha256: the file must be what was measured
+    ev = read_eval(artifact)
+    measured = ev.measured  # its sha256: the file must be what was measured
     chk = run_check(artifact, artifact / MEASURED_IN_ARTIFACT, sg, device=device,
-                    sha256=measured.sha256 if measured else None)  # fmt: skip
+                    sha256=measured.sha256 if measured else None,
+                    kv_share=ev.kv_cache_share)  # fmt: skip
     report = report.model_copy(update={"served": chk})
     if not chk.passed:
         raise GateFailed(

@@ -62,7 +62,9 @@ class ServedCheck(Record):
     thresholds: dict[str, float] = {}
     """max_kl (served vs measured), min_top1, max_kl_increase as applied; for a checkpoint
     that rounds activations at run time (Linear inputs, an FP8 KV cache) also recipe_max_kl /
-    recipe_min_top1, the recipe's own, which the rounding floor may widen
+    recipe_min_top1, the recipe's own, which the rounding floor may widen, and
+    run_time_share, the share of the measured KL from that rounding (the FP8 KV cache's
+    from evaluate's KV-off pass; 1 for rounded Linear inputs) whose double max_kl may reach
     (evaluate/served.py `rounding_floor`)."""
     failures: list[str] = []
     """What exceeded its threshold."""

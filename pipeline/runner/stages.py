@@ -330,7 +330,7 @@ def serve_stage(
         else:
             assert report.measured is not None
             chk = run_check(qc.path, Path(report.measured.file), sg, device=ctx.device,
-                            sha256=report.measured.sha256)  # fmt: skip
+                            sha256=report.measured.sha256, kv_share=report.kv_cache_share)  # fmt: skip
             line.note = chk.summary().splitlines()[0]
             report = report.model_copy(update={"served": chk})
     if sg.long_context is not None and reference is not None:
