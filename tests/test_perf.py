@@ -87,8 +87,60 @@ def test_figures_are_the_medians_of_the_recorded_runs(tmp_path):
         )
     assert res.reference.weights_gib == pytest.approx(14.96)  # recorded: H100, 8B dims, bf16
     assert res.candidate.kv_cache_tokens == 496_880
-    assert res.candidate.kernels == {"CompressedTensorsWNA16": "MacheteLinearKernel"}
+    assert res.candidate.kernels == {"CompressedTensorsWNA16": {"MacheteLinearKernel": None}}
+    assert res.candidate.warnings == []
     assert res.workloads[1].num_prompts == 8 * 64  # 8 per stream by default
+
+
+class TwoKernelRunner(RecordedRunner):
+    """The W4A16 candidate's passes with the server log of issue 57 item 2: SmolLM2-135M
+    (width 576) W4A16 on an H100 with vLLM 0.26, whose Linears took two kernels and whose
+    server warned about Marlin's padding (fixtures/vllm_bench/smollm2-w4a16-server.log: the
+    lines as vLLM 0.26 writes them, with the kernels and the warning the issue quotes)."""
+
+    def run(self, model_dir, label, cfg, raw_dir):
+        out = super().run(model_dir, label, cfg, raw_dir)
+        if label != "reference":
+            out.log = (FIX / "smollm2-w4a16-server.log").read_text()
+        return out
+
+
+def test_the_speed_record_names_every_kernel_with_its_count_and_vllms_warnings(tmp_path):
+    """Issue 57 item 2: the record kept the last kernel line per scheme (Machete) while 90
+    of the 120 Linears ran Marlin; now every kernel the log names, counted by the served
+    check's walk of vLLM's modules, and vLLM's speed warnings in the result and the card."""
+    from pipeline.artifact import model_card
+    from pipeline.evaluate import engines
+    from pipeline.records.perf import ModelServing, perf_lines
+
+    facts = {"linear_kernels": json.dumps({"CompressedTensorsWNA16/MacheteLinearKernel": 30,
+                                           "CompressedTensorsWNA16/MarlinLinearKernel": 90})}  # fmt: skip
+    res = perf.measure(tmp_path / "smollm2", tmp_path / "reference", ServeGate(), TwoKernelRunner(),
+                       kernel_counts=engines.kernel_counts(facts))  # fmt: skip
+    assert res.candidate.kernels == {
+        "CompressedTensorsWNA16": {"MacheteLinearKernel": 30, "MarlinLinearKernel": 90}
+    }
+    assert len(res.candidate.warnings) == 1  # the chat-template warning is not about speed
+    assert res.candidate.warnings[0].startswith("Marlin requires thread-tile padding")
+    lines = "\n".join(perf_lines(res))
+    assert "CompressedTensorsWNA16 -> MarlinLinearKernel ×90, MacheteLinearKernel ×30" in lines
+    assert "vLLM warned: Marlin requires thread-tile padding" in lines
+    card = model_card.render(name="x", source=None, recipe=load_recipe(ROOT / "recipes" / "gptq-w4.yaml"),
+                             quantization_config={"quant_method": "compressed-tensors"},
+                             evaluation=_ev("w4", 4.1, 0.17, True, res))  # fmt: skip
+    assert "MarlinLinearKernel ×90, MacheteLinearKernel ×30 for CompressedTensorsWNA16" in card
+    assert "vLLM warned while serving it" in card and "performance may be degraded" in card
+    # no served check: both kernels named, not counted; a record of one kernel still reads
+    bare = perf.measure(
+        tmp_path / "smollm2", tmp_path / "reference", ServeGate(), TwoKernelRunner()
+    )
+    assert bare.candidate.kernels == {
+        "CompressedTensorsWNA16": {"MacheteLinearKernel": None, "MarlinLinearKernel": None}
+    }
+    old = ModelServing.model_validate(
+        {"kernels": {"CompressedTensorsWNA16": "MacheteLinearKernel"}}
+    )
+    assert old.kernels == {"CompressedTensorsWNA16": {"MacheteLinearKernel": None}}
 
 
 def test_the_reference_is_served_once_for_several_candidates(tmp_path):

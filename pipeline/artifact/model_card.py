@@ -288,8 +288,10 @@ def _perf(ev: EvalFile) -> list[str]:
                 f"{rc.kv_cache_tokens or 0:,}) at gpu_memory_utilization "
                 f"{p.gpu_memory_utilization}."]  # fmt: skip
     if cc.kernels:
-        out += ["", "Kernels: " + "; ".join(f"{k} for {s}" for s, k in sorted(cc.kernels.items()))
+        out += ["", "Kernels: " + "; ".join(f"{cc.kernel_text(s)} for {s}" for s in sorted(cc.kernels))
                 + "."]  # fmt: skip
+    if cc.warnings:
+        out += ["", "vLLM warned while serving it: " + "; ".join(f"“{w}”" for w in cc.warnings)]
     return [*out, ""]
 
 

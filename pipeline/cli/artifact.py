@@ -239,10 +239,14 @@ def _perf(artifact: Path, report: VerifyReport, reference: Path, raw: Path | Non
     from .. import gate
     from ..errors import GateFailed
     from ..evaluate import perf
+    from ..evaluate.engines import kernel_counts
     from ..recipe import ServeGate, load_recipe
 
     sg = load_recipe(artifact / "recipe.yaml").serve or ServeGate()
-    res = perf.measure(artifact, reference, sg, perf.runner_for("vllm")(), raw_dir=raw)
+    # the served check ran first (it walked vLLM's modules): its Linears per kernel
+    counts = kernel_counts(report.served.facts if report.served else None)
+    res = perf.measure(artifact, reference, sg, perf.runner_for("vllm")(), raw_dir=raw,
+                       kernel_counts=counts)  # fmt: skip
     report = report.model_copy(update={"served_perf": res})
     checks = gate.speed_checks(res, sg.gates)
     failed = [c for c in checks if not c.passed]

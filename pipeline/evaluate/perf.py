@@ -36,7 +36,7 @@ from ..errors import StageError, UsageError
 from ..model.checkpoint import text_config
 from ..recipe import ServeGate, Workload
 from ..records.perf import ModelServing, PerfFigures, ServedPerf, WorkloadPerf
-from .engines import kernels_in_log, unavailable
+from .engines import kernels_in_log, performance_warnings, unavailable
 
 GPU_MEMORY_UTILIZATION = 0.85
 # (figure, the result JSON's key, its fallback key)
@@ -93,22 +93,34 @@ _WEIGHTS = re.compile(r"Model loading took ([0-9.]+) ?GiB")
 _KV_TOKENS = re.compile(r"GPU KV cache size: ([0-9,]+) tokens")
 
 
-def serving_facts(text: str) -> ModelServing:
+def serving_facts(text: str, counts: dict[str, dict[str, int]] | None = None) -> ModelServing:
+    """Memory, kernels and speed warnings from a server log; `counts`: Linears per scheme
+    and kernel (engines.kernel_counts of a served check of the same model), where known."""
     w = _WEIGHTS.search(text)
     kv = _KV_TOKENS.search(text)
+    counts = counts or {}
+    kernels: dict[str, dict[str, int | None]] = {}
+    for scheme, names in kernels_in_log(text).items():
+        kernels[scheme] = {k: counts.get(scheme, {}).get(k) for k in names}
+    for scheme, got in counts.items():  # counted, though the log did not name them
+        for k, n in got.items():
+            kernels.setdefault(scheme, {}).setdefault(k, n)
     return ModelServing(
         weights_gib=float(w.group(1)) if w else None,
         kv_cache_tokens=int(kv.group(1).replace(",", "")) if kv else None,
-        kernels=kernels_in_log(text),
+        kernels=kernels,
+        warnings=performance_warnings(text),
     )
 
 
 def measure(
     candidate: Path, reference: Path, cfg: ServeGate, runner: BenchRunner,
     raw_dir: Path | None = None, ref_runs: dict[str, ServedRun] | None = None,
+    kernel_counts: dict[str, dict[str, int]] | None = None,
 ) -> ServedPerf:  # fmt: skip
     """Both models served and benchmarked by `runner` (reference first). `ref_runs`: the
-    reference's runs of this process by workload set (compare measures it once)."""
+    reference's runs of this process by workload set (compare measures it once);
+    `kernel_counts`: the candidate's Linears per kernel, from its served check."""
     _fits(candidate, cfg)
     key = f"{Path(reference).resolve()}|{cfg.model_dump_json(include={'workloads', 'repeats', 'seed'})}"
     ref = (ref_runs or {}).get(key)
@@ -128,7 +140,8 @@ def measure(
         ))  # fmt: skip
     return ServedPerf(
         engine=cand.engine, gpu=cand.gpu, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-        workloads=rows, reference=serving_facts(ref.log), candidate=serving_facts(cand.log),
+        workloads=rows, reference=serving_facts(ref.log),
+        candidate=serving_facts(cand.log, kernel_counts),
         command=cand.command,
     )  # fmt: skip
 

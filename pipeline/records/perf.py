@@ -4,6 +4,10 @@ GPU (pipeline/evaluate/perf.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import field_validator
+
 from .base import Record
 
 
@@ -66,8 +70,27 @@ class ModelServing(Record):
     """GPU memory of the loaded weights ("Model loading took X GiB")."""
     kv_cache_tokens: int | None = None
     """KV-cache capacity in tokens at the run's gpu_memory_utilization."""
-    kernels: dict[str, str] = {}
-    """{quantization scheme: kernel} from the engine's log (Machete, CUTLASS FP8, ...)."""
+    kernels: dict[str, dict[str, int | None]] = {}
+    """{quantization scheme: {kernel: Linear layers}}: every kernel the engine's log names
+    for the scheme (Machete, Marlin, CUTLASS FP8, ...; vLLM names each once), with how many
+    Linears ran it where a served check of the same artifact counted them (null: not
+    counted)."""
+    warnings: list[str] = []
+    """The engine's warnings about speed in its log (e.g. Marlin's thread-tile padding)."""
+
+    @field_validator("kernels", mode="before")
+    @classmethod
+    def _one_kernel_per_scheme(cls, v: Any) -> Any:
+        """Records before 2026-12-07 kept one kernel per scheme: {scheme: kernel}."""
+        if isinstance(v, dict):
+            return {s: {k: None} if isinstance(k, str) else k for s, k in v.items()}
+        return v
+
+    def kernel_text(self, scheme: str) -> str:
+        """ "MarlinLinearKernel ×90, MacheteLinearKernel ×30" (most Linears first)."""
+        got = self.kernels.get(scheme, {})
+        order = sorted(got, key=lambda k: -(got[k] or 0))
+        return ", ".join(k + (f" ×{got[k]}" if got[k] is not None else "") for k in order)
 
 
 class ServedPerf(Record):
@@ -111,5 +134,8 @@ def perf_lines(p: ServedPerf) -> list[str]:
         out.append(f"  weights {cc.weights_gib:.2f} GiB (ref {rc.weights_gib:.2f}); KV cache "
                    f"{cc.kv_cache_tokens or 0:,} tokens (ref {rc.kv_cache_tokens or 0:,})")  # fmt: skip
     if cc.kernels:
-        out.append("  kernels: " + ", ".join(f"{s} -> {k}" for s, k in sorted(cc.kernels.items())))
+        out.append(
+            "  kernels: " + "; ".join(f"{s} -> {cc.kernel_text(s)}" for s in sorted(cc.kernels))
+        )
+    out += [f"  vLLM warned: {w}" for w in cc.warnings]
     return out
