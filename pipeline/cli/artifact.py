@@ -245,8 +245,14 @@ def _perf(artifact: Path, report: VerifyReport, reference: Path, raw: Path | Non
     sg = load_recipe(artifact / "recipe.yaml").serve or ServeGate()
     # the served check ran first (it walked vLLM's modules): its Linears per kernel
     counts = kernel_counts(report.served.facts if report.served else None)
+    from ..artifact.verify import read_provenance
+    from ..io.cache import StageCache
+    from .common import cache_root
+
+    source = read_provenance(artifact).source  # its model hash: the reference's (_same_source)
     res = perf.measure(artifact, reference, sg, perf.runner_for("vllm")(), raw_dir=raw,
-                       kernel_counts=counts)  # fmt: skip
+                       kernel_counts=counts, ref_cache=perf.ReferenceCache(StageCache(cache_root())),
+                       reference_hash=source.model_hash if source else None)  # fmt: skip
     report = report.model_copy(update={"served_perf": res})
     checks = gate.speed_checks(res, sg.gates)
     failed = [c for c in checks if not c.passed]

@@ -61,7 +61,7 @@ class Context:
     perf: bool = False  # served performance through vLLM's benchmark (--perf, compare --serve)
     perf_raw: Path | None = None  # where each benchmark pass's raw JSON is kept
     serve_engine: str | None = None  # served check + perf for recipes without `serve:`
-    perf_ref: dict[str, Any] = field(default_factory=dict)  # the reference's runs, once
+    perf_ref: dict[str, Any] = field(default_factory=dict)  # the reference's served figures
     rows: list[StageRow] = field(default_factory=list)
 
     @property
@@ -353,8 +353,9 @@ def serve_stage(
 
         with ctx.stage("perf") as line:
             runner = perf.runner_for(sg.engine)()
+            refs = perf.ReferenceCache(ctx.cache, mem=ctx.perf_ref)
             res = perf.measure(qc.path, reference, sg, runner, raw_dir=ctx.perf_raw,
-                               ref_runs=ctx.perf_ref,
+                               ref_cache=refs,
                                kernel_counts=kernel_counts(report.served.facts if report.served
                                                            else None))  # fmt: skip
             line.note = perf_summary(res)
