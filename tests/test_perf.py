@@ -136,6 +136,10 @@ def test_the_speed_record_names_every_kernel_with_its_count_and_vllms_warnings(t
                              evaluation=_ev("w4", 4.1, 0.17, True, res))  # fmt: skip
     assert "MarlinLinearKernel ×90, MacheteLinearKernel ×30 for CompressedTensorsWNA16" in card
     assert "vLLM warned while serving it" in card and "performance may be degraded" in card
+    write_report([row(_ev("w4", 4.1, 0.17, True, res))], tmp_path / "rep")  # the compare report
+    md = (tmp_path / "rep" / "compare.md").read_text()
+    assert ("w4 served with CompressedTensorsWNA16 -> MarlinLinearKernel ×90, "
+            "MacheteLinearKernel ×30. vLLM warned: Marlin requires thread-tile padding") in md  # fmt: skip
     # no served check: both kernels named, not counted; a record of one kernel still reads
     bare = perf.measure(
         tmp_path / "smollm2", tmp_path / "reference", ServeGate(), TwoKernelRunner()
