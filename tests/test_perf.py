@@ -116,13 +116,18 @@ def test_the_speed_record_names_every_kernel_with_its_count_and_vllms_warnings(t
     of the 120 Linears ran Marlin; now every kernel the log names, counted by the served
     check's walk of vLLM's modules, and vLLM's speed warnings in the result and the card."""
     from pipeline.artifact import model_card
-    from pipeline.evaluate import engines
     from pipeline.records.perf import ModelServing, perf_lines
+    from pipeline.records.served import KLFigures, ServedCheck
 
     facts = {"linear_kernels": json.dumps({"CompressedTensorsWNA16/MacheteLinearKernel": 30,
-                                           "CompressedTensorsWNA16/MarlinLinearKernel": 90})}  # fmt: skip
+                                           "CompressedTensorsWNA16/MarlinLinearKernel": 90}),
+             "performance_warnings": json.dumps(["Marlin requires thread-tile padding"])}  # fmt: skip
+    fig = KLFigures(kl_mean=0.01, kl_p99=0.1, top1=0.95)
+    served = ServedCheck(engine="vllm 0.26.0", kv_cache_dtype="auto", served_vs_measured=fig,
+                         served_vs_reference=fig, measured_vs_reference=fig, served_kl_increase=0.0,
+                         missing=0, positions=10, passed=True, facts=facts)  # fmt: skip
     res = perf.measure(tmp_path / "smollm2", tmp_path / "reference", ServeGate(), TwoKernelRunner(),
-                       kernel_counts=engines.kernel_counts(facts))  # fmt: skip
+                       kernel_counts=served.kernel_counts())  # fmt: skip
     assert res.candidate.kernels == {
         "CompressedTensorsWNA16": {"MacheteLinearKernel": 30, "MarlinLinearKernel": 90}
     }
@@ -131,11 +136,16 @@ def test_the_speed_record_names_every_kernel_with_its_count_and_vllms_warnings(t
     lines = "\n".join(perf_lines(res))
     assert "CompressedTensorsWNA16 -> MarlinLinearKernel ×90, MacheteLinearKernel ×30" in lines
     assert "vLLM warned: Marlin requires thread-tile padding" in lines
+    ev = _ev("w4", 4.1, 0.17, True, res).model_copy(update={"served": served})
     card = model_card.render(name="x", source=None, recipe=load_recipe(ROOT / "recipes" / "gptq-w4.yaml"),
                              quantization_config={"quant_method": "compressed-tensors"},
-                             evaluation=_ev("w4", 4.1, 0.17, True, res))  # fmt: skip
+                             evaluation=ev)  # fmt: skip
     assert "MarlinLinearKernel ×90, MacheteLinearKernel ×30 for CompressedTensorsWNA16" in card
     assert "vLLM warned while serving it" in card and "performance may be degraded" in card
+    # the served check's section: its own count of Linears per kernel and vLLM's warning
+    assert "Linears per kernel: CompressedTensorsWNA16: MacheteLinearKernel ×30, " \
+        "MarlinLinearKernel ×90." in card  # fmt: skip
+    assert "vLLM warned: Marlin requires thread-tile padding" in card.split("## Served check")[1]
     write_report([row(_ev("w4", 4.1, 0.17, True, res))], tmp_path / "rep")  # the compare report
     md = (tmp_path / "rep" / "compare.md").read_text()
     assert ("w4 served with CompressedTensorsWNA16 -> MarlinLinearKernel ×90, "

@@ -311,4 +311,11 @@ def _served(ev: EvalFile) -> list[str]:
     out += ["", f"Served KL to the reference: {s.served_kl_increase:+.1%} vs the measured "
             f"(top-{ev.measured.topk if ev.measured else '?'} + tail, {s.positions} positions).",
             ""]  # fmt: skip
+    kernels = s.kernel_counts() or {}
+    if kernels:
+        out += ["Linears per kernel: " + "; ".join(
+            f"{sc}: " + ", ".join(f"{k} ×{n}" for k, n in ks.items()) for sc, ks in kernels.items()
+        ) + ".", ""]  # fmt: skip
+    if s.performance_warnings():
+        out += ["vLLM warned: " + "; ".join(s.performance_warnings()), ""]
     return out

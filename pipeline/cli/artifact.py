@@ -239,12 +239,11 @@ def _perf(artifact: Path, report: VerifyReport, reference: Path, raw: Path | Non
     from .. import gate
     from ..errors import GateFailed
     from ..evaluate import perf
-    from ..evaluate.engines import kernel_counts
     from ..recipe import ServeGate, load_recipe
 
     sg = load_recipe(artifact / "recipe.yaml").serve or ServeGate()
     # the served check ran first (it walked vLLM's modules): its Linears per kernel
-    counts = kernel_counts(report.served.facts if report.served else None)
+    counts = report.served.kernel_counts() if report.served else None
     from ..artifact.verify import read_provenance
     from ..io.cache import StageCache
     from .common import cache_root

@@ -159,19 +159,6 @@ def performance_warnings(text: str) -> list[str]:
     return out
 
 
-def kernel_counts(facts: dict[str, str] | None) -> dict[str, dict[str, int]] | None:
-    """{scheme: {kernel: Linear layers}} from a vLLM served check's facts (vllm_child's
-    module walk, `linear_kernels`: {"Scheme/Kernel": n}); None without one."""
-    raw = (facts or {}).get("linear_kernels")
-    if not raw:
-        return None
-    out: dict[str, dict[str, int]] = {}
-    for key, n in sorted(json.loads(raw).items()):
-        scheme, _, kernel = key.partition("/")
-        out.setdefault(scheme, {})[kernel] = int(n)
-    return out
-
-
 KV_FLOOR_BYTES = 256 << 20  # vLLM's blocks for a short check; a few MB would do
 KV_MAX_SEQS = 64  # sequences held at once; vLLM schedules the rest in turn
 

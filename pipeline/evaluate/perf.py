@@ -96,7 +96,7 @@ _KV_TOKENS = re.compile(r"GPU KV cache size: ([0-9,]+) tokens")
 
 def serving_facts(text: str, counts: dict[str, dict[str, int]] | None = None) -> ModelServing:
     """Memory, kernels and speed warnings from a server log; `counts`: Linears per scheme
-    and kernel (engines.kernel_counts of a served check of the same model), where known."""
+    and kernel (ServedCheck.kernel_counts of a served check of the same model), where known."""
     w = _WEIGHTS.search(text)
     kv = _KV_TOKENS.search(text)
     counts = counts or {}

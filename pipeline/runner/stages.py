@@ -349,15 +349,14 @@ def serve_stage(
     wanted = ctx.perf or sg.gates.any()
     if reference is not None and wanted and unavailable(sg.engine) is None:
         from ..evaluate import perf
-        from ..evaluate.engines import kernel_counts
 
         with ctx.stage("perf") as line:
             runner = perf.runner_for(sg.engine)()
             refs = perf.ReferenceCache(ctx.cache, mem=ctx.perf_ref)
             res = perf.measure(qc.path, reference, sg, runner, raw_dir=ctx.perf_raw,
                                ref_cache=refs,
-                               kernel_counts=kernel_counts(report.served.facts if report.served
-                                                           else None))  # fmt: skip
+                               kernel_counts=report.served.kernel_counts() if report.served
+                               else None)  # fmt: skip
             line.note = perf_summary(res)
         report = report.model_copy(update={"served_perf": res})
     return report
