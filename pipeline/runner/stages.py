@@ -354,7 +354,7 @@ def serve_stage(
             runner = perf.runner_for(sg.engine)()
             refs = perf.ReferenceCache(ctx.cache, mem=ctx.perf_ref)
             res = perf.measure(qc.path, reference, sg, runner, raw_dir=ctx.perf_raw,
-                               ref_cache=refs,
+                               ref_cache=refs, reference_hash=report.reference.model_hash,
                                kernel_counts=report.served.kernel_counts() if report.served
                                else None)  # fmt: skip
             line.note = perf_summary(res)
