@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.evaluate import perf  # noqa: E402
+from pipeline.model.files import hash_model_dir  # noqa: E402
 from pipeline.recipe import DEFAULT_WORKLOADS, ServeGate  # noqa: E402
 from pipeline.records.perf import perf_lines  # noqa: E402
 
@@ -39,17 +40,18 @@ def main() -> int:
     cfg = ServeGate(engine="vllm", workloads=wls, repeats=a.repeats)
     a.out.mkdir(parents=True, exist_ok=True)
     runner = perf.VllmBench()
-    ref_runs: dict = {}
+    ref_runs = perf.ReferenceCache()  # the reference's figures, measured beside the first
+    ref_hash = hash_model_dir(a.reference)[1]  # once, not per candidate
     lines = []
     for spec in a.candidates:
         name, _, path = spec.partition("=")
         try:
             res = perf.measure(Path(path), a.reference, cfg, runner, raw_dir=a.out / "raw",
-                               ref_runs=ref_runs)  # fmt: skip
+                               ref_cache=ref_runs, reference_hash=ref_hash)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - one failed candidate must not lose the others
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:800]}", file=sys.stderr)
             (a.out / f"{name}.error.txt").write_text(f"{type(e).__name__}: {e}\n")
-            if not ref_runs:  # the reference itself did not serve: no candidate will compare
+            if not ref_runs.mem:  # the reference itself did not serve: no candidate will compare
                 break
             continue
         (a.out / f"{name}.json").write_text(json.dumps(res.to_json(), indent=1) + "\n")

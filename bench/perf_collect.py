@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.evaluate.served import evaluated_rounds_at_run_time, rejudge  # noqa: E402
+from pipeline.evaluate.served import evaluated_run_time_share, rejudge  # noqa: E402
 from pipeline.gate import served_checks  # noqa: E402
 from pipeline.records.evaluation import EvalFile  # noqa: E402
 from pipeline.records.perf import ServedPerf  # noqa: E402
@@ -42,7 +42,7 @@ def with_served(ev: EvalFile, path: Path) -> tuple[EvalFile, str]:
         return ev.model_copy(update={"served_skipped": why}), "served check did not run"
     chk = ServedCheck.from_json(res["served"], where=f"{path}: served")
     # vLLM rounds activations at run time (Linear inputs, an FP8 KV cache): the rounding floor
-    chk = rejudge(chk, activations=evaluated_rounds_at_run_time(ev.candidate))
+    chk = rejudge(chk, run_time_share=evaluated_run_time_share(ev))
     ev = ev.model_copy(update={"served": chk})
     kept = [c for c in (ev.verdict.checks if ev.verdict else []) if not c.name.startswith("serve.")]
     checks = kept + served_checks(ev)

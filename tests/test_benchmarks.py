@@ -16,7 +16,7 @@ from pipeline.data import benchmarks as data
 from pipeline.data.overlap import measure, ngrams, refuse_if_contaminated
 from pipeline.errors import IntegrityError, StageError, UsageError
 from pipeline.evaluate import benchmarks, model_ref
-from pipeline.evaluate.paired import paired
+from pipeline.evaluate.paired import Z95, paired
 from pipeline.io.pins import SHIPPED as SHIPPED_PINS
 
 # the sizes of the genuine splits (HellaSwag / ARC / PIQA / WinoGrande validation,
@@ -70,10 +70,35 @@ def test_paired_statistics():
     # pairing: far tighter than treating the two accuracies as independent samples
     independent = 100 * math.hypot(s["reference"].stderr, s["candidate"].stderr)
     assert s["drop_stderr_pp"] < independent / 2
+    # the score interval is close to mean ± 1.96 s.e. once items differ by the dozen
+    assert (lo, hi) == pytest.approx((s["drop_pp"] - Z95 * s["drop_stderr_pp"],
+                                      s["drop_pp"] + Z95 * s["drop_stderr_pp"]), abs=0.6)  # fmt: skip
     same = paired(ref, ref, where="t")
-    assert same["drop_pp"] == 0 and same["ci95_pp"] == (0, 0) and same["within_noise"]
+    assert same["drop_pp"] == 0 and same["within_noise"]
+    # no item differs: 400 items still leave ±z²/(n + z²) = ±0.95 pp unseen, not [0, 0]
+    assert same["ci95_pp"] == pytest.approx((-0.9512, 0.9512), abs=1e-3)
     with pytest.raises(StageError, match="different items"):
         paired(ref, {**cand, "extra": 1.0}, where="t")
+
+
+def test_twenty_items_without_a_flip_are_too_few_to_decide():
+    """Issue 57 item 17: hellaswag on 20 items, both models right on the same 7: the paired
+    s.e. is 0, yet the interval must not be [0, 0] nor the model card say "within noise"
+    where every other 20-item row says "too few to decide"."""
+    from pipeline.artifact.model_card import task_row
+    from pipeline.records.benchmarks import TaskResult
+
+    ref = {str(i): float(i < 7) for i in range(20)}
+    s = paired(ref, dict(ref), where="hellaswag")
+    lo, hi = s["ci95_pp"]
+    assert s["drop_stderr_pp"] == 0 and s["drop_pp"] == 0
+    assert lo == pytest.approx(-16.11, abs=0.01) and hi == pytest.approx(16.11, abs=0.01)
+    row = task_row(TaskResult(status="ok", metric="acc_norm", n_total=10042,
+                              split="validation", **s))  # fmt: skip
+    assert "too few to decide" in row and "within noise" not in row
+    # all 7 lost: the interval stays inside [-100, 100] pp and excludes 0
+    worst = paired(ref, {k: 0.0 for k in ref}, where="t")
+    assert 0 < worst["ci95_pp"][0] < 35 < worst["ci95_pp"][1] <= 100
 
 
 def test_both_models_on_the_same_items_reference_cached(

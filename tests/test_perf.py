@@ -37,9 +37,15 @@ class RecordedRunner:
     """Returns the recorded result JSONs and server log of 'reference', 'fp8' (a model folder
     named fp8*) or 'candidate' (W4A16, any other folder), as VllmBench would after serving it."""
 
-    def __init__(self, scale: dict[str, float] | None = None) -> None:
+    def __init__(
+        self, scale: dict[str, float] | None = None, gpu: str = "NVIDIA H100 80GB HBM3"
+    ) -> None:
         self.calls: list[str] = []
         self.scale = scale or {}
+        self.gpu = gpu
+
+    def identity(self):
+        return "vllm 0.26.0", self.gpu
 
     def run(self, model_dir, label, cfg, raw_dir):
         name = Path(model_dir).name
@@ -60,7 +66,7 @@ class RecordedRunner:
                 d["output_throughput"] *= f
                 runs.append(d)
             res[w.name] = runs
-        return perf.ServedRun(engine="vllm 0.26.0", gpu="NVIDIA H100 80GB HBM3", results=res,
+        return perf.ServedRun(engine="vllm 0.26.0", gpu=self.gpu, results=res,
                               log=(FIX / f"{who}-server.log").read_text())  # fmt: skip
 
 
@@ -87,15 +93,124 @@ def test_figures_are_the_medians_of_the_recorded_runs(tmp_path):
         )
     assert res.reference.weights_gib == pytest.approx(14.96)  # recorded: H100, 8B dims, bf16
     assert res.candidate.kv_cache_tokens == 496_880
-    assert res.candidate.kernels == {"CompressedTensorsWNA16": "MacheteLinearKernel"}
+    assert res.candidate.kernels == {"CompressedTensorsWNA16": {"MacheteLinearKernel": None}}
+    assert res.candidate.warnings == []
     assert res.workloads[1].num_prompts == 8 * 64  # 8 per stream by default
 
 
-def test_the_reference_is_served_once_for_several_candidates(tmp_path):
-    runner, refs = RecordedRunner(), {}
-    for name in ("a", "b"):
-        perf.measure(tmp_path / name, tmp_path / "reference", ServeGate(), runner, ref_runs=refs)
-    assert runner.calls == ["reference", "candidate-a", "candidate-b"]
+class TwoKernelRunner(RecordedRunner):
+    """The W4A16 candidate's passes with the server log of issue 57 item 2: SmolLM2-135M
+    (width 576) W4A16 on an H100 with vLLM 0.26, whose Linears took two kernels and whose
+    server warned about Marlin's padding (fixtures/vllm_bench/smollm2-w4a16-server.log: the
+    lines as vLLM 0.26 writes them, with the kernels and the warning the issue quotes)."""
+
+    def run(self, model_dir, label, cfg, raw_dir):
+        out = super().run(model_dir, label, cfg, raw_dir)
+        if label != "reference":
+            out.log = (FIX / "smollm2-w4a16-server.log").read_text()
+        return out
+
+
+def test_the_speed_record_names_every_kernel_with_its_count_and_vllms_warnings(tmp_path):
+    """Issue 57 item 2: the record kept the last kernel line per scheme (Machete) while 90
+    of the 120 Linears ran Marlin; now every kernel the log names, counted by the served
+    check's walk of vLLM's modules, and vLLM's speed warnings in the result and the card."""
+    from pipeline.artifact import model_card
+    from pipeline.records.perf import ModelServing, perf_lines
+    from pipeline.records.served import KLFigures, ServedCheck
+
+    facts = {"linear_kernels": json.dumps({"CompressedTensorsWNA16/MacheteLinearKernel": 30,
+                                           "CompressedTensorsWNA16/MarlinLinearKernel": 90}),
+             "performance_warnings": json.dumps(["Marlin requires thread-tile padding"])}  # fmt: skip
+    fig = KLFigures(kl_mean=0.01, kl_p99=0.1, top1=0.95)
+    served = ServedCheck(engine="vllm 0.26.0", kv_cache_dtype="auto", served_vs_measured=fig,
+                         served_vs_reference=fig, measured_vs_reference=fig, served_kl_increase=0.0,
+                         missing=0, positions=10, passed=True, facts=facts)  # fmt: skip
+    res = perf.measure(tmp_path / "smollm2", tmp_path / "reference", ServeGate(), TwoKernelRunner(),
+                       kernel_counts=served.kernel_counts())  # fmt: skip
+    assert res.candidate.kernels == {
+        "CompressedTensorsWNA16": {"MacheteLinearKernel": 30, "MarlinLinearKernel": 90}
+    }
+    assert len(res.candidate.warnings) == 1  # the chat-template warning is not about speed
+    assert res.candidate.warnings[0].startswith("Marlin requires thread-tile padding")
+    lines = "\n".join(perf_lines(res))
+    assert "CompressedTensorsWNA16 -> MarlinLinearKernel ×90, MacheteLinearKernel ×30" in lines
+    assert "vLLM warned: Marlin requires thread-tile padding" in lines
+    ev = _ev("w4", 4.1, 0.17, True, res).model_copy(update={"served": served})
+    card = model_card.render(name="x", source=None, recipe=load_recipe(ROOT / "recipes" / "gptq-w4.yaml"),
+                             quantization_config={"quant_method": "compressed-tensors"},
+                             evaluation=ev)  # fmt: skip
+    assert "MarlinLinearKernel ×90, MacheteLinearKernel ×30 for CompressedTensorsWNA16" in card
+    assert "vLLM warned while serving it" in card and "performance may be degraded" in card
+    # the served check's section: its own count of Linears per kernel and vLLM's warning
+    assert "Linears per kernel: CompressedTensorsWNA16: MacheteLinearKernel ×30, " \
+        "MarlinLinearKernel ×90." in card  # fmt: skip
+    assert "vLLM warned: Marlin requires thread-tile padding" in card.split("## Served check")[1]
+    write_report([row(_ev("w4", 4.1, 0.17, True, res))], tmp_path / "rep")  # the compare report
+    md = (tmp_path / "rep" / "compare.md").read_text()
+    assert ("w4 served with CompressedTensorsWNA16 -> MarlinLinearKernel ×90, "
+            "MacheteLinearKernel ×30. vLLM warned: Marlin requires thread-tile padding") in md  # fmt: skip
+    # no served check: both kernels named, not counted; a record of one kernel still reads
+    bare = perf.measure(
+        tmp_path / "smollm2", tmp_path / "reference", ServeGate(), TwoKernelRunner()
+    )
+    assert bare.candidate.kernels == {
+        "CompressedTensorsWNA16": {"MacheteLinearKernel": None, "MarlinLinearKernel": None}
+    }
+    old = ModelServing.model_validate(
+        {"kernels": {"CompressedTensorsWNA16": "MacheteLinearKernel"}}
+    )
+    assert old.kernels == {"CompressedTensorsWNA16": {"MacheteLinearKernel": None}}
+
+
+class InterleavedRunner(RecordedRunner):
+    """Serves both at once as VllmBench.run_pair does (its processes: test_perf_runner.py),
+    returning the recorded passes: `calls` gets one entry per engine start."""
+
+    def run_pair(self, reference, candidate, labels, cfg, raw_dir):
+        return (self.run(reference, labels[0], cfg, raw_dir),
+                self.run(candidate, labels[1], cfg, raw_dir))  # fmt: skip
+
+
+def test_the_reference_is_served_once_per_hash_engine_gpu_and_workload(tmp_path):
+    """Issue 57 item 4: `verify --perf` served the 16-bit reference again for every
+    artifact. Its figures are kept per (reference hash, engine and version, GPU, workload),
+    on disk for the next process; a speed-up measured beside the reference is the median of
+    neighbouring passes' ratios."""
+    from pipeline.io.cache import StageCache
+
+    def measure(name, runner, cfg=None, ref_hash="r" * 64):
+        refs = perf.ReferenceCache(StageCache(tmp_path / "cache"))  # a new process each time
+        return perf.measure(tmp_path / name, tmp_path / "reference", cfg or ServeGate(), runner,
+                            ref_cache=refs, reference_hash=ref_hash)  # fmt: skip
+
+    runner = InterleavedRunner()
+    a = measure("a", runner)
+    assert runner.calls == ["reference", "candidate-a"]
+    assert all(w.interleaved and not w.reference_cached for w in a.workloads)
+    for w in a.workloads:  # pass r over pass r, not the medians' ratio
+        pairs = [c["output_tok_s"] / r["output_tok_s"]
+                 for c, r in zip(w.candidate.repeats, w.reference.repeats, strict=True)]  # fmt: skip
+        assert w.speedup == pytest.approx(statistics.median(pairs))
+        assert w.speedup_range == pytest.approx((min(pairs), max(pairs)))
+    b = measure("b", runner)
+    assert runner.calls[2:] == ["candidate-b"]  # the reference's figures from the cache
+    assert all(w.reference_cached and not w.interleaved for w in b.workloads)
+    assert [w.reference for w in b.workloads] == [w.reference for w in a.workloads]
+    assert b.reference.weights_gib == a.reference.weights_gib
+    # another GPU, another reference or a new workload: that reference is served again
+    measure("c", InterleavedRunner(gpu="NVIDIA H200"))
+    other = InterleavedRunner()
+    measure("d", other, ref_hash="s" * 64)
+    assert other.calls == ["reference", "candidate-d"]
+    # one workload as before (cached), one with longer prompts (served beside the candidate)
+    w1, w64 = ServeGate().workloads
+    mixed = ServeGate(workloads=[w1.model_copy(update={"prompt_len": 512}), w64])
+    third = InterleavedRunner()
+    e = measure("e", third, mixed)
+    assert third.calls == ["reference", "candidate-e", "candidate-e"]  # the pair, then alone
+    assert [(w.interleaved, w.reference_cached) for w in e.workloads] == [(True, False),
+                                                                          (False, True)]  # fmt: skip
 
 
 def test_a_run_that_lost_requests_or_figures_is_an_error(tmp_path):
@@ -184,8 +299,8 @@ def test_compare_report_recommends_per_workload(tmp_path):
     """The recorded crossover (H100, 8B dims): W4A16 fastest at one stream, FP8 dynamic under
     64 streams; a failing recipe three times as fast is never recommended."""
     runner = RecordedRunner(scale={"bad": 3.0})
-    refs: dict = {}
-    res = {n: perf.measure(tmp_path / n, tmp_path / "ref", ServeGate(), runner, ref_runs=refs)
+    refs = perf.ReferenceCache()
+    res = {n: perf.measure(tmp_path / n, tmp_path / "ref", ServeGate(), runner, ref_cache=refs)
            for n in ("fp8", "w4", "bad")}  # fmt: skip
     rows = [row(_ev("fp8-dynamic", 8.1, 0.01, True, res["fp8"], 0)),
             row(_ev("w4-g128", 4.1, 0.17, True, res["w4"], 1)),
@@ -218,8 +333,8 @@ def test_recommendation_says_when_no_recipe_beats_the_16_bit_model(tmp_path):
     the report must not call a recipe slower than the 16-bit model 'fastest' without saying
     so; a workload where one is faster keeps the plain words."""
     runner = RecordedRunner(scale={"fp8": 0.7, "w4": 0.5})
-    refs: dict = {}
-    res = {n: perf.measure(tmp_path / n, tmp_path / "ref", ServeGate(), runner, ref_runs=refs)
+    refs = perf.ReferenceCache()
+    res = {n: perf.measure(tmp_path / n, tmp_path / "ref", ServeGate(), runner, ref_cache=refs)
            for n in ("fp8", "w4")}  # fmt: skip
     rows = [row(_ev("fp8-dynamic", 8.1, 0.01, True, res["fp8"], 0)),
             row(_ev("w4-g128", 4.1, 0.17, True, res["w4"], 1))]  # fmt: skip
@@ -234,7 +349,10 @@ def test_recommendation_says_when_no_recipe_beats_the_16_bit_model(tmp_path):
 class QwenRecordedRunner:
     """The recorded passes of Qwen2.5-Coder-0.5B on the H100 (2026-12-06, vllm 0.26.0;
     fixtures/vllm_bench/qwen05b-h100): bf16 and W4A8-FP8 (CUTLASS W4A8), a launch-bound model
-    whose passes spread 9-31 %."""
+    whose passes spread 9-31 %; served one after the other, as they were recorded."""
+
+    def identity(self):
+        return "vllm 0.26.0", "NVIDIA H100 80GB HBM3"
 
     def run(self, model_dir, label, cfg, raw_dir):
         who = "reference" if label == "reference" else "w4a8-fp8"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,9 @@ def main():  # `vllm bench serve ARGS` as the child calls it: writes its result 
     assert a[1:3] == ["bench", "serve"], a
     with open(os.environ["STAND_IN_PIDS"], "a") as f:
         f.write(f"{os.getpid()}\\n")
+    if os.environ.get("STAND_IN_ORDER"):  # which server each pass went to, in order
+        with open(os.environ["STAND_IN_ORDER"], "a") as f:
+            f.write(f"{get('--base-url')} {get('--result-filename')}\\n")
     if int(get("--seed")) == int(os.environ.get("STAND_IN_FAIL_SEED", "-1")):
         raise SystemExit(3)
     res = {"output_throughput": float(get("--seed")), "completed": int(get("--num-prompts"))}
@@ -68,6 +72,12 @@ def _stand_in_vllm(tmp_path, monkeypatch, fail_seed=None):
     return bench
 
 
+def _servers(*labels: str) -> list[perf._Server]:
+    return [
+        perf._Server("/m", label, 1234 + i, Path("/dev/null")) for i, label in enumerate(labels)
+    ]
+
+
 def test_bench_passes_run_in_one_child_and_keep_each_result(tmp_path, monkeypatch):
     """Every pass of every workload goes to one child (vLLM imported once per model, not per
     pass); the warm-up is not kept; results land in raw_dir; a stale file does not count."""
@@ -79,7 +89,7 @@ def test_bench_passes_run_in_one_child_and_keep_each_result(tmp_path, monkeypatc
     stale = raw / f"cand-{cfg.workloads[0].name}-0.json"
     stale.write_text(json.dumps({"output_throughput": 999.0}))
     out = perf.ServedRun(engine="vllm", gpu="x")
-    bench._bench("/m", 1234, cfg, tmp, out, "cand", raw)
+    bench._bench(_servers("cand"), cfg, tmp, [out], raw)
     assert len(set((tmp_path / "pids").read_text().split())) == 1
     assert len((tmp_path / "pids").read_text().split()) == len(cfg.workloads) * 4
     for w in cfg.workloads:
@@ -95,7 +105,7 @@ def test_bench_failure_keeps_the_passes_before_it(tmp_path, monkeypatch):
     (tmp_path / "tmp").mkdir()
     out = perf.ServedRun(engine="vllm", gpu="x")
     with pytest.raises(StageError, match="exit 3; no result for"):
-        bench._bench("/m", 1234, cfg, tmp_path / "tmp", out, "cand", tmp_path / "raw")
+        bench._bench(_servers("cand"), cfg, tmp_path / "tmp", [out], tmp_path / "raw")
     first = cfg.workloads[0].name
     assert [r["output_throughput"] for r in out.results[first]] == [7.0]
     assert (tmp_path / "raw" / f"cand-{first}-0.json").is_file()
@@ -115,7 +125,7 @@ def test_bench_child_waits_for_the_server_then_runs_or_stops(tmp_path, monkeypat
 
     def bench_in_thread() -> None:
         try:
-            bench._bench("/m", 1234, cfg, tmp_path / "tmp", out, "cand", tmp_path / "raw", go)
+            bench._bench(_servers("cand"), cfg, tmp_path / "tmp", [out], tmp_path / "raw", go)
         except BaseException as e:  # noqa: BLE001 - asserted below
             errors.append(e)
 
@@ -131,8 +141,8 @@ def test_bench_child_waits_for_the_server_then_runs_or_stops(tmp_path, monkeypat
     go.write_text("stop")
     (tmp_path / "pids").unlink()
     with pytest.raises(StageError, match="no result for"):
-        bench._bench("/m", 1234, cfg, tmp_path / "tmp", perf.ServedRun(engine="vllm", gpu="x"),
-                     "cand2", tmp_path / "raw", go)  # fmt: skip
+        bench._bench(_servers("cand2"), cfg, tmp_path / "tmp",
+                     [perf.ServedRun(engine="vllm", gpu="x")], tmp_path / "raw", go)  # fmt: skip
     assert not (tmp_path / "pids").exists()
 
 
@@ -157,3 +167,29 @@ def test_a_server_that_fails_to_start_stops_the_bench_child(tmp_path, monkeypatc
     with pytest.raises(StageError, match=r"exited \(1\) while starting: stand-in: no GPU"):
         bench.run(tmp_path / "m", "cand", ServeGate(repeats=1), tmp_path / "raw")
     assert not (tmp_path / "pids").exists()  # no pass ran
+
+
+def test_a_pair_is_served_at_once_and_its_passes_alternate(tmp_path, monkeypatch):
+    """Issue 57 item 4: the reference and the artifact are served side by side (each with
+    half the memory) and one child runs pass r of each next to the other's, so a speed-up is
+    a ratio of neighbouring passes; both servers' logs are kept."""
+    bench = _stand_in_vllm(tmp_path, monkeypatch)
+    monkeypatch.setenv("STAND_IN_TIMES", str(tmp_path / "times"))
+    monkeypatch.setenv("STAND_IN_ORDER", str(tmp_path / "order"))
+    cfg = ServeGate(repeats=2, seed=7)
+    for m in ("ref", "cand"):
+        (tmp_path / m).mkdir()
+    ref, cand = bench.run_pair(tmp_path / "ref", tmp_path / "cand", ("reference", "candidate-c"),
+                               cfg, tmp_path / "raw")  # fmt: skip
+    assert len(set((tmp_path / "pids").read_text().split())) == 1  # one child for both
+    order = [line.split() for line in (tmp_path / "order").read_text().splitlines()]
+    assert len({url for url, _ in order}) == 2
+    names = [name for _, name in order]
+    w1 = cfg.workloads[0].name
+    assert names[:6] == [f"reference-{w1}-warm.json", f"candidate-c-{w1}-warm.json",
+                         f"reference-{w1}-0.json", f"candidate-c-{w1}-0.json",
+                         f"reference-{w1}-1.json", f"candidate-c-{w1}-1.json"]  # fmt: skip
+    for out in (ref, cand):
+        assert [r["output_throughput"] for r in out.results[w1]] == [7.0, 8.0]
+    for label in ("reference", "candidate-c"):
+        assert "GPU KV cache size" in (tmp_path / "raw" / f"{label}-server.log").read_text()

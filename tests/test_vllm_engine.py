@@ -84,13 +84,20 @@ def test_the_engine_hands_the_child_the_cache_for_its_rows(tmp_path, monkeypatch
                    "top1": torch.zeros(rows, dtype=torch.long)}  # fmt: skip
         save_file(out, str(work / "out.safetensors"))
         (work / "facts.json").write_text(json.dumps({"engine": "vllm 0.26.0", "missing": 0}))
-        return 0, ""
+        return 0, (
+            Path(__file__).parent / "fixtures" / "vllm_bench" / "smollm2-w4a16-server.log"
+        ).read_text()
 
     monkeypatch.setattr(engines.log, "run_child", child)
     eng = engines.VllmEngine(tmp_path, kv_cache_dtype="fp8")
     ids = torch.zeros(32, 513, dtype=torch.long)
     eng.logprobs_at(ids, torch.zeros(32 * 512, 2, dtype=torch.long))
     assert seen[-1]["kv_cache_memory_bytes"] == engines.kv_cache_bytes(GEMMA, "fp8", 32, 514)
+    # every kernel vLLM logged and its speed warnings, in the check's facts (issue 57 item 2)
+    assert json.loads(eng.facts["kernels_logged"]) == {
+        "CompressedTensorsWNA16": ["MacheteLinearKernel", "MarlinLinearKernel"]
+    }
+    assert "performance may be degraded" in json.loads(eng.facts["performance_warnings"])[0]
     # the long-context check: every length in one start, the cache for the longest row
     sets = [
         (torch.zeros(8, 4096, dtype=torch.long), 6),

@@ -288,8 +288,10 @@ def _perf(ev: EvalFile) -> list[str]:
                 f"{rc.kv_cache_tokens or 0:,}) at gpu_memory_utilization "
                 f"{p.gpu_memory_utilization}."]  # fmt: skip
     if cc.kernels:
-        out += ["", "Kernels: " + "; ".join(f"{k} for {s}" for s, k in sorted(cc.kernels.items()))
+        out += ["", "Kernels: " + "; ".join(f"{cc.kernel_text(s)} for {s}" for s in sorted(cc.kernels))
                 + "."]  # fmt: skip
+    if cc.warnings:
+        out += ["", "vLLM warned while serving it: " + "; ".join(f"“{w}”" for w in cc.warnings)]
     return [*out, ""]
 
 
@@ -309,4 +311,11 @@ def _served(ev: EvalFile) -> list[str]:
     out += ["", f"Served KL to the reference: {s.served_kl_increase:+.1%} vs the measured "
             f"(top-{ev.measured.topk if ev.measured else '?'} + tail, {s.positions} positions).",
             ""]  # fmt: skip
+    kernels = s.kernel_counts() or {}
+    if kernels:
+        out += ["Linears per kernel: " + "; ".join(
+            f"{sc}: " + ", ".join(f"{k} ×{n}" for k, n in ks.items()) for sc, ks in kernels.items()
+        ) + ".", ""]  # fmt: skip
+    if s.performance_warnings():
+        out += ["vLLM warned: " + "; ".join(s.performance_warnings()), ""]
     return out

@@ -242,7 +242,16 @@ def _perf(artifact: Path, report: VerifyReport, reference: Path, raw: Path | Non
     from ..recipe import ServeGate, load_recipe
 
     sg = load_recipe(artifact / "recipe.yaml").serve or ServeGate()
-    res = perf.measure(artifact, reference, sg, perf.runner_for("vllm")(), raw_dir=raw)
+    # the served check ran first (it walked vLLM's modules): its Linears per kernel
+    counts = report.served.kernel_counts() if report.served else None
+    from ..artifact.verify import read_provenance
+    from ..io.cache import StageCache
+    from .common import cache_root
+
+    source = read_provenance(artifact).source  # its model hash: the reference's (_same_source)
+    res = perf.measure(artifact, reference, sg, perf.runner_for("vllm")(), raw_dir=raw,
+                       kernel_counts=counts, ref_cache=perf.ReferenceCache(StageCache(cache_root())),
+                       reference_hash=source.model_hash if source else None)  # fmt: skip
     report = report.model_copy(update={"served_perf": res})
     checks = gate.speed_checks(res, sg.gates)
     failed = [c for c in checks if not c.passed]
@@ -274,9 +283,11 @@ def _serve_check(
     sg = sg.model_copy(update={"engine": engine, "kv_cache_dtype": kv or sg.kv_cache_dtype})
     from ..artifact.verify import read_eval
 
-    measured = read_eval(artifact).measured  # its sha256: the file must be what was measured
+    ev = read_eval(artifact)
+    measured = ev.measured  # its sha256: the file must be what was measured
     chk = run_check(artifact, artifact / MEASURED_IN_ARTIFACT, sg, device=device,
-                    sha256=measured.sha256 if measured else None)  # fmt: skip
+                    sha256=measured.sha256 if measured else None,
+                    kv_share=ev.kv_cache_share)  # fmt: skip
     report = report.model_copy(update={"served": chk})
     if not chk.passed:
         raise GateFailed(

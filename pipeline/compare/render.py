@@ -43,7 +43,21 @@ PEAK_RSS_NOTE = (
 def notes(rows: list[dict]) -> list[str]:
     return (
         [PEAK_RSS_NOTE] if any(r.get("peak_mem_kind") == "process_peak_rss" for r in rows) else []
-    )
+    ) + served_notes(rows)
+
+
+def served_notes(rows: list[dict]) -> list[str]:
+    """Per served recipe: every kernel vLLM ran per scheme (with its Linears where counted)
+    and vLLM's speed warnings, which explain a slow row."""
+    out = []
+    for r in rows:
+        kernels = "; ".join(f"{s} -> {k}" for s, k in (r.get("kernels") or {}).items())
+        warned = (
+            " vLLM warned: " + "; ".join(r["serve_warnings"]) if r.get("serve_warnings") else ""
+        )
+        if kernels or warned:
+            out.append(f"{r['name']} served with {kernels or 'no kernel logged'}.{warned}")
+    return out
 
 
 def width_line(report: dict, style: Callable[[str], str]) -> str:

@@ -54,13 +54,16 @@ def speed_fields(ev: EvalFile) -> dict[str, Any]:
     """The served-performance figures of a row (None without `--serve vllm`)."""
     p = ev.served_perf
     if p is None:
-        return {"speed": None, "gpu": None, "weights_gib": None, "kv_cache_tokens": None}
+        return {"speed": None, "gpu": None, "weights_gib": None, "kv_cache_tokens": None,
+                "kernels": {}, "serve_warnings": []}  # fmt: skip
     speed = {w.name: {"speedup": w.speedup, "output_tok_s": w.candidate.output_tok_s,
                       "speedup_range": w.speedup_range, "ttft_p99_ms": w.candidate.ttft_p99_ms,
                       "tpot_p50_ms": w.candidate.tpot_p50_ms} for w in p.workloads}  # fmt: skip
     return {"speed": speed, "gpu": f"{p.gpu}, {p.engine}",
             "weights_gib": p.candidate.weights_gib,
-            "kv_cache_tokens": p.candidate.kv_cache_tokens}  # fmt: skip
+            "kv_cache_tokens": p.candidate.kv_cache_tokens,
+            "kernels": {s: p.candidate.kernel_text(s) for s in sorted(p.candidate.kernels)},
+            "serve_warnings": list(p.candidate.warnings)}  # fmt: skip
 
 
 def read_eval_file(path: Path) -> EvalFile:

@@ -126,17 +126,36 @@ class TransformersEngine:
         return torch.stack(out)
 
 
-# vLLM logs the kernel it chose for each quantization scheme once: "Using MacheteLinearKernel
-# for CompressedTensorsWNA16", "Selected CutlassFP8ScaledMMLinearKernel for ..."
+# vLLM logs each kernel it chooses for a quantization scheme once, however many layers it
+# serves: "Using MacheteLinearKernel for CompressedTensorsWNA16", "Selected
+# CutlassFP8ScaledMMLinearKernel for ..."; a scheme whose layers take two kernels (SmolLM2's
+# W4A16 on the H100: Machete for 30 Linears, Marlin for 90) logs two lines
 _KERNEL_LINE = re.compile(r"(?:Using|Selected|using) ([A-Za-z0-9_]+) (?:for|as) ([A-Za-z0-9_]+)")
+# a warning line of vLLM's log ("... WARNING 12-07 10:01:02 [file.py:12] message") about speed
+_WARNING_LINE = re.compile(r"WARNING[^\[\n]*\[[^\]\n]*\] ?([^\n]*)")
+_PERFORMANCE = re.compile(r"perform|degrad|slow|fall(?:ing)? ?back", re.IGNORECASE)
 
 
-def kernels_in_log(text: str) -> dict[str, str]:
-    """{scheme: kernel} from vLLM's log lines (what ran, so a silent fallback shows)."""
-    out: dict[str, str] = {}
+def kernels_in_log(text: str) -> dict[str, list[str]]:
+    """{scheme: every kernel vLLM logged for it, in log order} (what ran, so a silent
+    fallback shows; counts per Linear: `kernel_counts` of the served check's module walk)."""
+    out: dict[str, list[str]] = {}
     for kernel, scheme in _KERNEL_LINE.findall(text):
         if "Kernel" in kernel or "Linear" in kernel or scheme.startswith("CompressedTensors"):
-            out[scheme] = kernel
+            seen = out.setdefault(scheme, [])
+            if kernel not in seen:
+                seen.append(kernel)
+    return out
+
+
+def performance_warnings(text: str) -> list[str]:
+    """vLLM's warnings about speed ("Marlin requires thread-tile padding ... performance may
+    be degraded"), each once, in log order."""
+    out: list[str] = []
+    for msg in _WARNING_LINE.findall(text):
+        msg = msg.strip()
+        if _PERFORMANCE.search(msg) and msg not in out:
+            out.append(msg)
     return out
 
 
@@ -240,6 +259,9 @@ class VllmEngine:
         logged = kernels_in_log(output)
         if logged:
             facts["kernels_logged"] = logged
+        warned = performance_warnings(output)
+        if warned:
+            facts["performance_warnings"] = warned
         self.name = facts.pop("engine", "vllm")
         missing = int(facts.pop("missing", 0))
         self.facts.update({k: v if isinstance(v, str) else json.dumps(v, sort_keys=True)

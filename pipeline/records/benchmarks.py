@@ -42,7 +42,9 @@ class TaskResult(Record):
     drop_stderr_pp: float | None = None
     """Paired standard error of the drop (per-item differences), percentage points."""
     ci95_pp: tuple[float, float] | None = None
-    """95 % interval of the drop, percentage points."""
+    """95 % interval of the drop, percentage points: Tango's paired score interval, which
+    keeps its width when no item differs (±16 pp at 20 items), where mean ± 1.96 s.e. is
+    [0, 0] (evaluate/paired.py)."""
     within_noise: bool | None = None
     """The 95 % interval reaches 0 (or below): no evidence that the candidate is worse."""
     lost: int | None = None

@@ -4,6 +4,11 @@ GPU (pipeline/evaluate/perf.py)."""
 
 from __future__ import annotations
 
+import statistics
+from typing import Any
+
+from pydantic import field_validator
+
 from .base import Record
 
 
@@ -39,19 +44,41 @@ class WorkloadPerf(Record):
     """The 16-bit reference, same run, same GPU."""
     candidate: PerfFigures
     """The quantized artifact."""
+    interleaved: bool = False
+    """Both served at once, the candidate's pass r run next to the reference's pass r: each
+    speed-up is a ratio of neighbouring passes."""
+    reference_cached: bool = False
+    """The reference's figures came from an earlier run on the same engine and GPU
+    (perf.ReferenceCache), not served beside this candidate."""
+
+    def paired_speedups(self) -> list[float]:
+        """Interleaved: the candidate's pass r over the reference's pass r, per repeat."""
+        c = [x.get("output_tok_s", 0.0) for x in self.candidate.repeats]
+        r = [x.get("output_tok_s", 0.0) for x in self.reference.repeats]
+        if not self.interleaved or len(c) != len(r) or not c or min(r) <= 0:
+            return []
+        return [a / b for a, b in zip(c, r, strict=True)]
 
     @property
     def speedup(self) -> float:
-        """Candidate output tokens/s over the reference's."""
+        """Interleaved: the median of the neighbouring passes' ratios; else the candidate's
+        median output tokens/s over the reference's."""
+        pairs = self.paired_speedups()
+        if pairs:
+            return float(statistics.median(pairs))
         r = self.reference.output_tok_s
         return self.candidate.output_tok_s / r if r > 0 else float("nan")
 
     @property
     def speedup_range(self) -> tuple[float, float] | None:
-        """The speed-up over every pair of repeats: the candidate's slowest pass over the
-        reference's fastest, its fastest over the reference's slowest (None without repeats).
-        A range holding 1 is a speed-up the passes' spread does not show (a small model's
-        launch-bound passes spread up to ±20 %: Qwen2.5-Coder-0.5B, H100, 2026-12-06)."""
+        """Interleaved: the lowest and highest neighbouring ratio. Else over every pair of
+        repeats: the candidate's slowest pass over the reference's fastest, its fastest over
+        the reference's slowest (None without repeats). A range holding 1 is a speed-up the
+        passes' spread does not show (a small model's launch-bound passes spread up to
+        ±20 %: Qwen2.5-Coder-0.5B, H100, 2026-12-06)."""
+        pairs = self.paired_speedups()
+        if pairs:
+            return min(pairs), max(pairs)
         c = [x["output_tok_s"] for x in self.candidate.repeats if "output_tok_s" in x]
         r = [x["output_tok_s"] for x in self.reference.repeats if "output_tok_s" in x]
         if not c or not r or min(r) <= 0:
@@ -66,8 +93,27 @@ class ModelServing(Record):
     """GPU memory of the loaded weights ("Model loading took X GiB")."""
     kv_cache_tokens: int | None = None
     """KV-cache capacity in tokens at the run's gpu_memory_utilization."""
-    kernels: dict[str, str] = {}
-    """{quantization scheme: kernel} from the engine's log (Machete, CUTLASS FP8, ...)."""
+    kernels: dict[str, dict[str, int | None]] = {}
+    """{quantization scheme: {kernel: Linear layers}}: every kernel the engine's log names
+    for the scheme (Machete, Marlin, CUTLASS FP8, ...; vLLM names each once), with how many
+    Linears ran it where a served check of the same artifact counted them (null: not
+    counted)."""
+    warnings: list[str] = []
+    """The engine's warnings about speed in its log (e.g. Marlin's thread-tile padding)."""
+
+    @field_validator("kernels", mode="before")
+    @classmethod
+    def _one_kernel_per_scheme(cls, v: Any) -> Any:
+        """Records before 2026-12-07 kept one kernel per scheme: {scheme: kernel}."""
+        if isinstance(v, dict):
+            return {s: {k: None} if isinstance(k, str) else k for s, k in v.items()}
+        return v
+
+    def kernel_text(self, scheme: str) -> str:
+        """ "MarlinLinearKernel ×90, MacheteLinearKernel ×30" (most Linears first)."""
+        got = self.kernels.get(scheme, {})
+        order = sorted(got, key=lambda k: -(got[k] or 0))
+        return ", ".join(k + (f" ×{got[k]}" if got[k] is not None else "") for k in order)
 
 
 class ServedPerf(Record):
@@ -78,7 +124,8 @@ class ServedPerf(Record):
     gpu: str
     """The GPU it ran on."""
     gpu_memory_utilization: float
-    """The share of GPU memory the engine was given (the KV capacity depends on it)."""
+    """The share of GPU memory each server was given (the KV capacity depends on it): the
+    reference and the candidate are served side by side, half each."""
     workloads: list[WorkloadPerf]
     """One per recipe workload."""
     reference: ModelServing
@@ -101,6 +148,7 @@ def perf_lines(p: ServedPerf) -> list[str]:
         out.append(
             f"  {w.name:<12} {w.speedup:5.2f}x"
             + (f" ({rng[0]:.2f}–{rng[1]:.2f}x over the passes)" if rng else "")
+            + (" [reference from an earlier run]" if w.reference_cached else "")
             + f"  {c.output_tok_s:8.0f} tok/s (ref {r.output_tok_s:.0f})"
             f"  TTFT p50/p99 {c.ttft_p50_ms:.1f}/{c.ttft_p99_ms:.1f} ms (ref "
             f"{r.ttft_p50_ms:.1f}/{r.ttft_p99_ms:.1f})  TPOT p50 {c.tpot_p50_ms:.2f} ms "
@@ -111,5 +159,8 @@ def perf_lines(p: ServedPerf) -> list[str]:
         out.append(f"  weights {cc.weights_gib:.2f} GiB (ref {rc.weights_gib:.2f}); KV cache "
                    f"{cc.kv_cache_tokens or 0:,} tokens (ref {rc.kv_cache_tokens or 0:,})")  # fmt: skip
     if cc.kernels:
-        out.append("  kernels: " + ", ".join(f"{s} -> {k}" for s, k in sorted(cc.kernels.items())))
+        out.append(
+            "  kernels: " + "; ".join(f"{s} -> {cc.kernel_text(s)}" for s in sorted(cc.kernels))
+        )
+    out += [f"  vLLM warned: {w}" for w in cc.warnings]
     return out

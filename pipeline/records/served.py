@@ -3,6 +3,8 @@ vs the same artifact as an inference engine serves it (pipeline/evaluate/served.
 
 from __future__ import annotations
 
+import json
+
 from .base import Record
 
 
@@ -62,7 +64,9 @@ class ServedCheck(Record):
     thresholds: dict[str, float] = {}
     """max_kl (served vs measured), min_top1, max_kl_increase as applied; for a checkpoint
     that rounds activations at run time (Linear inputs, an FP8 KV cache) also recipe_max_kl /
-    recipe_min_top1, the recipe's own, which the rounding floor may widen
+    recipe_min_top1, the recipe's own, which the rounding floor may widen, and
+    run_time_share, the share of the measured KL from that rounding (the FP8 KV cache's
+    from evaluate's KV-off pass; 1 for rounded Linear inputs) whose double max_kl may reach
     (evaluate/served.py `rounding_floor`)."""
     failures: list[str] = []
     """What exceeded its threshold."""
@@ -70,6 +74,23 @@ class ServedCheck(Record):
     """load, score."""
     facts: dict[str, str] = {}
     """What the engine reported: kernels, attention backend, KV-cache dtype."""
+
+    def kernel_counts(self) -> dict[str, dict[str, int]] | None:
+        """{scheme: {kernel: Linear layers}} from a vLLM check's walk of its modules
+        (facts `linear_kernels`: {"Scheme/Kernel": n}); None without one."""
+        raw = self.facts.get("linear_kernels")
+        if not raw:
+            return None
+        out: dict[str, dict[str, int]] = {}
+        for key, n in sorted(json.loads(raw).items()):
+            scheme, _, kernel = key.partition("/")
+            out.setdefault(scheme, {})[kernel] = int(n)
+        return out
+
+    def performance_warnings(self) -> list[str]:
+        """vLLM's warnings about speed while it served the check (facts)."""
+        raw = self.facts.get("performance_warnings")
+        return [str(w) for w in json.loads(raw)] if raw else []
 
     def summary(self) -> str:
         s, r = self.served_vs_measured, self.served_vs_reference

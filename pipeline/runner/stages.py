@@ -61,7 +61,7 @@ class Context:
     perf: bool = False  # served performance through vLLM's benchmark (--perf, compare --serve)
     perf_raw: Path | None = None  # where each benchmark pass's raw JSON is kept
     serve_engine: str | None = None  # served check + perf for recipes without `serve:`
-    perf_ref: dict[str, Any] = field(default_factory=dict)  # the reference's runs, once
+    perf_ref: dict[str, Any] = field(default_factory=dict)  # the reference's served figures
     rows: list[StageRow] = field(default_factory=list)
 
     @property
@@ -330,7 +330,7 @@ def serve_stage(
         else:
             assert report.measured is not None
             chk = run_check(qc.path, Path(report.measured.file), sg, device=ctx.device,
-                            sha256=report.measured.sha256)  # fmt: skip
+                            sha256=report.measured.sha256, kv_share=report.kv_cache_share)  # fmt: skip
             line.note = chk.summary().splitlines()[0]
             report = report.model_copy(update={"served": chk})
     if sg.long_context is not None and reference is not None:
@@ -352,8 +352,11 @@ def serve_stage(
 
         with ctx.stage("perf") as line:
             runner = perf.runner_for(sg.engine)()
+            refs = perf.ReferenceCache(ctx.cache, mem=ctx.perf_ref)
             res = perf.measure(qc.path, reference, sg, runner, raw_dir=ctx.perf_raw,
-                               ref_runs=ctx.perf_ref)  # fmt: skip
+                               ref_cache=refs, reference_hash=report.reference.model_hash,
+                               kernel_counts=report.served.kernel_counts() if report.served
+                               else None)  # fmt: skip
             line.note = perf_summary(res)
         report = report.model_copy(update={"served_perf": res})
     return report
