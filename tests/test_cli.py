@@ -13,23 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
+from factories import QSHIP, REPO, cli
 
-from tests.test_fetch_hub import REPO, hub, tiny_repo  # noqa: F401  (fixtures)
-
-QSHIP = str(Path(sys.executable).with_name("qship"))
 COMMANDS = ("run", "fetch", "plan", "quantize", "evaluate", "package", "verify", "publish",
             "compare", "sensitivity", "tune")  # fmt: skip
 INTERRUPTED = 130
 
 
-def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
-    return subprocess.run([QSHIP, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def rtn_recipe(tmp_path_factory) -> Path:
-    from test_concurrency_disk import recipe
+    from factories import recipe
 
     return recipe(tmp_path_factory.mktemp("cli-recipes"), "cli-rtn")
 
