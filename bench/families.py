@@ -3,7 +3,7 @@ Gemma 3 270M, the real Qwen2.5-Coder-0.5B-Instruct (qwen2: q/k/v biases, GQA 14/
 tiny trained Qwen3-MoE, each in a fresh process; prints and writes KL, top-1, ppl ratio,
 bits per weight and the time of every stage (bench/RESULTS.md "Families").
 
-    python bench/families.py --recipe recipes/gemma-mixed-w4-cpu.yaml --out bench/families_cpu.json
+    python bench/families.py --recipe recipes/gemma-mixed-w4-cpu.yaml --out bench/results/families_cpu.json
         [--models gemma qwen moe] [--cache-dir DIR] [--device cpu]
 
 A gate that fails is a result here, not an error: the figures are read from the report folder.

@@ -189,7 +189,7 @@ def test_the_gpu_wheel_list_carries_what_the_shipped_recipes_corpora_need():
 
     root = Path(__file__).resolve().parent.parent
     listed = {ln.split("==")[0].lower().replace("-", "_")
-              for ln in (root / "bench" / "gpu_wheels.txt").read_text().split()}  # fmt: skip
+              for ln in (root / "bench" / "device" / "gpu_wheels.txt").read_text().split()}  # fmt: skip
     for path in sorted((root / "recipes").glob("*.yaml")):
         need = SOURCE_NEEDS.get(load_recipe(path).calibration.source, ())
         missing = [n for n in need if n.lower().replace("-", "_") not in listed]

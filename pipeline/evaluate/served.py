@@ -268,7 +268,7 @@ def rounding_floor(max_kl: float, min_top1: float, meas_ref: KLFigures) -> dict[
     value near a rounding boundary lands on the neighbouring level, so the two are two
     independent draws of the format's rounding noise around the same weights: their KL is
     about the sum of each one's KL to the reference, their top-1 agreement about the product
-    of each one's agreement with it (bench/served_noise.py: an INT8 W8A8 Gemma 3 270M in
+    of each one's agreement with it (bench/studies/served_noise.py: an INT8 W8A8 Gemma 3 270M in
     float32 vs bfloat16, KL 0.081 between them, 0.061 / 0.073 to the reference; 0.003 for a
     weight-only one). So: KL up to twice the measured one, top-1 down to its square -- never
     stricter than the recipe's. The quality served stays held by max_kl_increase."""
