@@ -102,3 +102,25 @@ def test_bench_imports_only_public_names_of_pipeline():
         str(p.relative_to(ROOT)): n for p in scripts if (n := private_pipeline_names(p.read_text()))
     }
     assert bad == {}, f"bench uses private names of pipeline (export a public one): {bad}"
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a file's headings (lower case, punctuation dropped, spaces to
+    hyphens, a repeated heading numbered -1, -2, ...)."""
+    anchors, count = set(), {}
+    for line in markdown.splitlines():
+        if m := re.match(r"#{1,6} (.*)", line):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = count[slug] = count.get(slug, -1) + 1
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def test_the_results_summary_links_each_row_to_a_dated_section():
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    summary, archive = text.split("\n# The archive: dated sections\n")
+    links = re.findall(r"\]\(#([^)]+)\)", summary)
+    assert len(links) > 20
+    missing = sorted(set(links) - github_anchors(text))
+    assert not missing, missing
+    assert archive.count("\n## ") > 50  # the dated sections follow, kept
