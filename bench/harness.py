@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 SUITES = BENCH / "suites.toml"
-PLACEHOLDER = re.compile(r"\{(out|work|model|recipe)\}")
+PLACEHOLDER = re.compile(r"\{(out|dir|work|model|recipe)\}")
 TAIL = 4000  # characters of a row's stdout / stderr kept in its JSON
 
 
@@ -103,7 +103,11 @@ def result_of(out: Path, stdout: str):
 def run_row(suite: str, row: dict, models: dict, work: Path, dest: Path) -> dict:
     """Run one row; write and return its record (dest/<row>.json)."""
     out = dest / f"{row['name']}.out.json"
-    values = {"out": str(out), "work": str(work), "recipe": str(ROOT / row.get("recipe", ""))}
+    files = dest / row["name"]  # {dir}: for a row that writes several files of results
+    values = {"out": str(out), "dir": str(files), "work": str(work),
+              "recipe": str(ROOT / row.get("recipe", ""))}  # fmt: skip
+    if any("{dir}" in a for a in row.get("args", row.get("qship", []))):
+        files.mkdir(parents=True, exist_ok=True)
     if "model" in row:
         values["model"] = fetched(models[row["model"]])
     cmd = command(row, values)

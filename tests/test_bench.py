@@ -45,6 +45,11 @@ model = "tiny"
 recipe = "recipes/gptq-w4.yaml"
 
 [[suites.demo.rows]]
+name = "pin"
+qship = ["fetch", "{model}", "--cache-dir", "{work}/cache", "--checksums", "{dir}", "--pin", "--json"]
+model = "tiny"
+
+[[suites.demo.rows]]
 name = "bad-recipe"
 qship = ["plan", "--model", "{model}", "--recipe", "{work}/none.yaml", "--json"]
 model = "tiny"
@@ -59,7 +64,7 @@ def test_a_suite_keeps_each_finished_row_and_stops_at_a_failed_one(tmp_path):
     suites = tmp_path / "suites.toml"
     suites.write_text(SUITE)
     records = run_suite("demo", results=tmp_path / "res", work=tmp_path / "work", suites=suites)
-    assert [r["row"] for r in records] == ["plan", "bad-recipe"]
+    assert [r["row"] for r in records] == ["plan", "pin", "bad-recipe"]
     plan = json.loads((tmp_path / "res" / "demo" / "plan.json").read_text())
     assert plan["returncode"] == 0 and plan["result"]["model_type"] == "llama"  # plan's JSON
     assert plan["commit"] and plan["machine"] and plan["seconds"] > 0
@@ -67,7 +72,8 @@ def test_a_suite_keeps_each_finished_row_and_stops_at_a_failed_one(tmp_path):
     assert bad["returncode"] == 2 and bad["result"] is None
     assert not (tmp_path / "res" / "demo" / "never.json").exists()
     assert sorted(p.name for p in (tmp_path / "res" / "demo").iterdir()) == [
-        "bad-recipe.json", "plan.json"]  # fmt: skip
+        "bad-recipe.json", "pin", "pin.json", "plan.json"]  # fmt: skip
+    assert len(list((tmp_path / "res" / "demo" / "pin").glob("*.json"))) == 1  # {dir}: the pin
 
 
 def test_a_row_without_a_script_of_bench_or_an_unknown_suite_is_refused(tmp_path):
