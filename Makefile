@@ -63,8 +63,9 @@ $(VENV)/.models: $(STAMP)
 test-slow: setup $(VENV)/.models
 	$(BIN)/python -m pytest -q -m slow
 
+# the hashing suite of bench/suites.toml; `$(BIN)/python -m bench list` shows the others
 bench: setup
-	$(BIN)/python bench/hashing_bench.py
+	$(BIN)/python -m bench run hashing
 
 # ruff (style), mypy (types of pipeline/), import-linter (the layer contracts in pyproject)
 lint: setup

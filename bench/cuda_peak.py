@@ -6,7 +6,7 @@
 
 Replays the allocator trace, finds the moment the allocated total was highest and groups
 the blocks live then by their innermost frame in llm-compressor, compressed-tensors,
-transformers or qship. Used by bench/quantize_bench.py --memory-breakdown (issue 3).
+transformers or qship. Used by bench/studies/quantize_bench.py --memory-breakdown (issue 3).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """One recipe, three architectures: `qship run` with the same shipped recipe on the real
 Gemma 3 270M, the real Qwen2.5-Coder-0.5B-Instruct (qwen2: q/k/v biases, GQA 14/2) and the
 tiny trained Qwen3-MoE, each in a fresh process; prints and writes KL, top-1, ppl ratio,
-bits per weight and the time of every stage (bench/RESULTS.md "Families").
+bits per weight and the time of every stage (bench/RESULTS.md "Families"; the archived rows:
+bench/results/families_cpu.json; `python -m bench run families` keeps a new one).
 
-    python bench/families.py --recipe recipes/gemma-mixed-w4-cpu.yaml --out bench/families_cpu.json
+    python bench/families.py --recipe recipes/gemma-mixed-w4-cpu.yaml --out families.json
         [--models gemma qwen moe] [--cache-dir DIR] [--device cpu]
 
 A gate that fails is a result here, not an error: the figures are read from the report folder.
@@ -73,7 +74,7 @@ def main() -> int:
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "qship")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "families_cpu.json")
+    ap.add_argument("--out", type=Path, required=True)  # bench/results/ keeps the archived rows
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="qship-families-"))
     rows = []

@@ -4,17 +4,20 @@ Measures, on multi-GiB files, in one run (interleaved, median of --repeat):
   * one file, one core, from the page cache: qship sha256_file, openssl dgst, sha256sum
   * one file, cold (pages dropped with posix_fadvise DONTNEED before each read)
   * all files on all cores: qship hash_files (threads) vs the same files sequentially
-and `openssl speed sha256` (16 KiB blocks) as the per-core ceiling. Appends a section to
-bench/RESULTS.md. Target (issue 2): qship >= 0.9x OpenSSL's per-core rate, scaling with
+and `openssl speed sha256` (16 KiB blocks) as the per-core ceiling. Prints a Markdown
+section (appended to --results FILE when given), and writes the figures to --json FILE
+(what `python -m bench run hashing` keeps). Target (issue 2): qship >= 0.9x OpenSSL's per-core rate, scaling with
 cores across files.
 
-    .venv/bin/python bench/hashing_bench.py [--size-gib 2] [--files 2] [--dir /tmp/qship-hashbench]
+    .venv/bin/python bench/hashing_bench.py [--size-gib 2] [--files 2] [--dir /tmp/qship-hashbench] \
+        [--json OUT.json] [--results bench/RESULTS.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import platform
 import re
@@ -99,7 +102,8 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/qship-hashbench"))
-    ap.add_argument("--results", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    ap.add_argument("--results", type=Path, help="a Markdown file to append the section to")
+    ap.add_argument("--json", type=Path, help="the figures as JSON")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
 
@@ -195,10 +199,17 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
-    if not args.results.exists():
-        args.results.write_text("# Benchmark results\n")
-    with open(args.results, "a") as fh:
-        fh.write(text)
+    if args.results:
+        with open(args.results, "a") as fh:
+            fh.write(text)
+    if args.json:
+        figures = {"machine": cpu_model(), "cores": os.cpu_count(), "size_gib": args.size_gib,
+                   "files": args.files, "repeat": args.repeat, "openssl_speed_gb_s": speed,
+                   "gb_per_s": med, "qship_over_openssl_paired": statistics.median(ratios),
+                   "readahead_over_openssl_paired": statistics.median(ratios_ra),
+                   "readahead_cores_busy": statistics.median(cores_ra),
+                   "scaling_across_files": par / seq}  # fmt: skip
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
     if not args.keep:
         shutil.rmtree(args.dir, ignore_errors=True)
 

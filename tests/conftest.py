@@ -199,3 +199,58 @@ def benchmark_data_dir(qship_test_cache, repo_root) -> Path:
     from pipeline.data.benchmarks import benchmark_data
 
     return benchmark_data(qship_test_cache, SHIPPED_PINS)
+
+
+# --- the Hub ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A started HubServer; huggingface_hub pointed at it with a fresh HF cache in tmp."""
+    from hub_server import HubServer
+    from huggingface_hub import constants
+
+    server = HubServer().start()
+    hf_home = tmp_path / "hf-home"
+    cache = hf_home / "hub"
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    # constants are read at import time: patch the module attributes too
+    monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
+    monkeypatch.setattr(
+        constants,
+        "HUGGINGFACE_CO_URL_TEMPLATE",
+        server.endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+    )
+    monkeypatch.setattr(constants, "HF_HOME", str(hf_home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(hf_home / "token"))
+    server.hf_cache = cache  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def tiny_repo(hub, tiny_llama) -> str:
+    """tiny-llama published as commit A on main (safetensors as LFS, json as git files)."""
+    from factories import REPO
+
+    return hub.add_dir(REPO, tiny_llama)
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny llama GGUF (f16) written by tests/tiny_gguf.py, one per test module."""
+    from tiny_gguf import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama-f16.gguf")

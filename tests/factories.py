@@ -1,14 +1,22 @@
-"""Records for tests that need an evaluation without running a model: built by the same
-record classes and the same statistics code (kl_stats.summarise) that evaluate uses, from
-synthetic per-token values."""
+"""What several test modules share, so that no test module imports another: records for
+tests that need an evaluation without running a model (built by the same record classes
+and the same statistics code, kl_stats.summarise, that evaluate uses, from synthetic
+per-token values), a small RTN recipe, the tiny models' dimensions, signing keys, the
+`qship` executable and the KL of a checkpoint. Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from pipeline.artifact.signing import SIGNATURE
 from pipeline.evaluate import kl_stats
+from pipeline.io.hashing import format_sha256sums, sha256_file
 from pipeline.records.benchmarks import Benchmarks, TaskResult
 from pipeline.records.checkpoint import QuantizeSummary
 from pipeline.records.evaluation import (
@@ -67,3 +75,105 @@ def eval_file(
                         bits_per_weight=bits, size_bytes=int(bits * 1e5), seconds=1.5 + seed,
                         peak_mem_bytes=10**9 + seed, peak_mem_kind="process_peak_rss")  # fmt: skip
     return EvalFile.of(report, verdict=verdict, quantize=q)
+
+
+# --- the Hub ------------------------------------------------------------------------------
+# conftest's `hub` serves tests/hub_server.py; `tiny_repo` publishes tiny-llama there as REPO.
+REPO = "qship-tests/tiny-llama"
+
+
+# --- recipes and models -------------------------------------------------------------------
+# A small RTN recipe (int4 g32, every projection) written as JSON, which the YAML loader reads.
+RECIPE = {
+    "others": "keep",
+    "groups": [{"name": "all", "targets": ["re:.*_proj$"], "method": "rtn",
+                "scheme": {"bits": 4, "group_size": 32}}],
+    "calibration": {"num_samples": 4, "seq_len": 64},
+    "evaluation": {"sequences": 2, "seq_len": 64},
+}  # fmt: skip
+
+
+def recipe(tmp: Path, name: str, bits: int = 4) -> Path:
+    r = json.loads(json.dumps(RECIPE))
+    r["name"] = name
+    r["groups"][0]["scheme"]["bits"] = bits
+    p = tmp / f"{name}.yaml"
+    p.write_text(json.dumps(r))
+    return p
+
+
+# The tiny configs' dimensions (2 layers, 4 heads, 2 KV heads) of test_roles and test_families.
+DIMS = dict(
+    vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
+def mean_kl(ref_dir: Path, q_dir: Path, ids) -> float:
+    """Mean KL(ref || quant) per token of two checkpoints on `ids` (CPU, fp32 logits)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def logp(d):
+        m = AutoModelForCausalLM.from_pretrained(d, device_map="cpu").eval()
+        with torch.no_grad():
+            return torch.log_softmax(m(input_ids=ids).logits.float(), dim=-1)
+
+    p, q = logp(ref_dir), logp(q_dir)
+    kl = (p.exp() * (p - q)).sum(-1)  # per token, KL(ref || quant)
+    return float(kl.mean())
+
+
+# --- fetch cache --------------------------------------------------------------------------
+
+
+def entries(cache: Path) -> list[Path]:
+    """Complete fetch cache entries (a stage.json), and anything else left in fetch/."""
+    d = cache / "fetch"
+    return sorted(d.glob("*/stage.json")) if d.is_dir() else []
+
+
+# --- artifacts and signing ----------------------------------------------------------------
+
+
+def resum(art: Path) -> None:
+    """Rewrite SHA256SUMS to match the files, so a deeper check is what must fail."""
+    rels = sorted(
+        p.relative_to(art).as_posix()
+        for p in art.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.name not in ("SHA256SUMS", SIGNATURE)
+    )
+    (art / "SHA256SUMS").write_text(
+        format_sha256sums({r: sha256_file(art / r).sha256 for r in rels})
+    )
+
+
+def ec_keypair(dir: Path, name: str) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    priv, pub = dir / f"{name}.pem", dir / f"{name}.pub.pem"
+    priv.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    pub.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return priv, pub
+
+
+# --- the installed `qship` executable -----------------------------------------------------
+QSHIP = str(Path(sys.executable).with_name("qship"))
+
+
+def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
+    return subprocess.run([QSHIP, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip

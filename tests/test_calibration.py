@@ -138,7 +138,7 @@ def test_missing_local_file_is_usage_error(tok, tmp_path):
 
 
 def test_exported_jsonl_gives_the_builtin_token_sets(tok, tmp_path):
-    """bench/export_corpus.py's JSONL (text + doc_id + part) builds the very same
+    """bench/device/export_corpus.py's JSONL (text + doc_id + part) builds the very same
     calibration and held-out tokens as builtin:english (how the GPU runs match the CPU)."""
     import subprocess
     import sys
@@ -146,7 +146,7 @@ def test_exported_jsonl_gives_the_builtin_token_sets(tok, tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     subprocess.run(
-        [sys.executable, str(root / "bench" / "export_corpus.py"), str(tmp_path)],
+        [sys.executable, str(root / "bench" / "device" / "export_corpus.py"), str(tmp_path)],
         check=True, capture_output=True,
     )  # fmt: skip
     jl = tmp_path / "english.jsonl"

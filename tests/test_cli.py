@@ -13,23 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
+from factories import QSHIP, REPO, cli
 
-from tests.test_fetch_hub import REPO, hub, tiny_repo  # noqa: F401  (fixtures)
-
-QSHIP = str(Path(sys.executable).with_name("qship"))
 COMMANDS = ("run", "fetch", "plan", "quantize", "evaluate", "package", "verify", "publish",
             "compare", "sensitivity", "tune")  # fmt: skip
 INTERRUPTED = 130
 
 
-def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
-    return subprocess.run([QSHIP, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def rtn_recipe(tmp_path_factory) -> Path:
-    from test_concurrency_disk import recipe
+    from factories import recipe
 
     return recipe(tmp_path_factory.mktemp("cli-recipes"), "cli-rtn")
 
@@ -196,7 +189,7 @@ def test_the_gpu_wheel_list_carries_what_the_shipped_recipes_corpora_need():
 
     root = Path(__file__).resolve().parent.parent
     listed = {ln.split("==")[0].lower().replace("-", "_")
-              for ln in (root / "bench" / "gpu_wheels.txt").read_text().split()}  # fmt: skip
+              for ln in (root / "bench" / "device" / "gpu_wheels.txt").read_text().split()}  # fmt: skip
     for path in sorted((root / "recipes").glob("*.yaml")):
         need = SOURCE_NEEDS.get(load_recipe(path).calibration.source, ())
         missing = [n for n in need if n.lower().replace("-", "_") not in listed]

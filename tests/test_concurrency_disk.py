@@ -20,25 +20,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from factories import RECIPE, recipe  # noqa: F401  (RECIPE: the recipe() base)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRANSIENT = 5
-RECIPE = {
-    "others": "keep",
-    "groups": [{"name": "all", "targets": ["re:.*_proj$"], "method": "rtn",
-                "scheme": {"bits": 4, "group_size": 32}}],
-    "calibration": {"num_samples": 4, "seq_len": 64},
-    "evaluation": {"sequences": 2, "seq_len": 64},
-}  # fmt: skip
-
-
-def recipe(tmp: Path, name: str, bits: int = 4) -> Path:
-    r = json.loads(json.dumps(RECIPE))
-    r["name"] = name
-    r["groups"][0]["scheme"]["bits"] = bits
-    p = tmp / f"{name}.yaml"
-    p.write_text(json.dumps(r))
-    return p
 
 
 def qship_proc(*args: str, fsize: int | None = None) -> subprocess.Popen:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from cli_run import qship
+from factories import DIMS
 from small_recipes import small_recipe
-from test_roles import DIMS
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 # each family's MoE fields as its real configs have them

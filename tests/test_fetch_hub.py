@@ -16,51 +16,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from factories import REPO  # the tiny repo conftest's hub and tiny_repo serve
 
 from pipeline.io.hashing import Manifest, sha256_file
 from tests.cli_run import qship
-from tests.hub_server import HubServer
 
-REPO = "qship-tests/tiny-llama"
 INTEGRITY = 3
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """A started HubServer; huggingface_hub pointed at it with a fresh HF cache in tmp."""
-    from huggingface_hub import constants
-
-    server = HubServer().start()
-    hf_home = tmp_path / "hf-home"
-    cache = hf_home / "hub"
-    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-    monkeypatch.setenv("HF_HOME", str(hf_home))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    # constants are read at import time: patch the module attributes too
-    monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
-    monkeypatch.setattr(
-        constants,
-        "HUGGINGFACE_CO_URL_TEMPLATE",
-        server.endpoint + "/{repo_id}/resolve/{revision}/{filename}",
-    )
-    monkeypatch.setattr(constants, "HF_HOME", str(hf_home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(hf_home / "token"))
-    server.hf_cache = cache  # type: ignore[attr-defined]
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def tiny_repo(hub, tiny_llama) -> str:
-    """tiny-llama published as commit A on main (safetensors as LFS, json as git files)."""
-    return hub.add_dir(REPO, tiny_llama)
 
 
 def offline(monkeypatch) -> None:

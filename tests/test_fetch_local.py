@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from factories import entries
 
 from pipeline.io.hashing import Manifest, sha256_file
 from tests.cli_run import qship
@@ -24,12 +25,6 @@ INTEGRITY = 3
 
 def fetch_args(model: Path, cache: Path, checksums: Path, *extra: str) -> list[str]:
     return ["fetch", str(model), "--cache-dir", str(cache), "--checksums", str(checksums), *extra]
-
-
-def entries(cache: Path) -> list[Path]:
-    """Complete fetch cache entries (a stage.json), and anything else left in fetch/."""
-    d = cache / "fetch"
-    return sorted(d.glob("*/stage.json")) if d.is_dir() else []
 
 
 def leftovers(cache: Path) -> list[str]:

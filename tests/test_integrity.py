@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from cli_run import qship
-from test_concurrency_disk import recipe
+from factories import recipe
 
 INTEGRITY = 3
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_quantize import _mean_kl
+from factories import mean_kl as _mean_kl
 from transformers import AutoTokenizer
 
 from pipeline.data.tokens import build_token_sets

@@ -9,9 +9,9 @@ import socket
 import time
 
 import pytest
+from factories import REPO
 
 from tests.cli_run import qship
-from tests.test_fetch_hub import REPO, hub, tiny_repo  # noqa: F401  (fixtures)
 
 TRANSIENT = 5
 

@@ -132,7 +132,7 @@ def test_deterministic(package_inputs, tmp_path, monkeypatch):
 
 
 def test_single_shard_and_signing(package_inputs, tmp_path):
-    from test_verify import ec_keypair
+    from factories import ec_keypair
 
     priv, pub = ec_keypair(tmp_path, "k")
     inputs = {**package_inputs, "shard_size": W.DEFAULT_SHARD_SIZE}

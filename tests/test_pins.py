@@ -9,21 +9,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+from factories import REPO, cli, entries
 
 from pipeline.io.hashing import Manifest
-from tests import test_fetch_gguf
 from tests.cli_run import qship
-from tests.test_fetch_hub import REPO, hub, tiny_repo  # noqa: F401  (fixtures)
-from tests.test_fetch_local import entries
 
 INTEGRITY, USAGE = 3, 2
 
 
 def fetch(src, cache: Path, checksums: Path, *extra: str) -> list[str]:
     return ["fetch", str(src), "--cache-dir", str(cache), "--checksums", str(checksums), *extra]
-
-
-tiny_gguf = test_fetch_gguf.tiny_gguf  # the module fixture, shared
 
 
 @pytest.fixture
@@ -135,7 +130,6 @@ def test_pins_hold_from_any_working_directory(gemma_snapshot, qship_test_cache, 
     --require-pin there, and a tampered copy of its GGUF is refused (exit 3), also with a
     pin folder of the user's (--checksums, $QSHIP_CHECKSUMS) that holds other pins."""
     from tests.conftest import GEMMA_PKG
-    from tests.test_cli import cli
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

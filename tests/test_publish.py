@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FAILING_GATES, gated
-from test_verify import ec_keypair, resum
+from factories import ec_keypair, recipe, resum
 
 from pipeline.artifact.package import package
 from pipeline.artifact.publish import publish
@@ -253,7 +253,6 @@ def test_run_publish_outage_exits_5_and_the_same_command_then_publishes(
     stays, and the same command again verifies and publishes it without recomputing.
     The same --out with another recipe is still refused (exit 2)."""
     import huggingface_hub.constants as C
-    from test_concurrency_disk import recipe
 
     monkeypatch.setenv("QSHIP_NET_RETRIES", "2")
     monkeypatch.setenv("QSHIP_NET_BACKOFF", "0.01")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from factories import mean_kl as _mean_kl
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -178,17 +179,6 @@ def test_recipe_quantizes_as_planned(model, recipe_name, request, quantized):
     assert m.get_input_embeddings().weight.dtype == torch.bfloat16
     with torch.no_grad():
         assert torch.isfinite(m(input_ids=torch.tensor([[2, 100, 200, 300]])).logits).all()
-
-
-def _mean_kl(ref_dir: Path, q_dir: Path, ids: torch.Tensor) -> float:
-    def logp(d):
-        m = AutoModelForCausalLM.from_pretrained(d, device_map="cpu").eval()
-        with torch.no_grad():
-            return torch.log_softmax(m(input_ids=ids).logits.float(), dim=-1)
-
-    p, q = logp(ref_dir), logp(q_dir)
-    kl = (p.exp() * (p - q)).sum(-1)  # per token, KL(ref || quant)
-    return float(kl.mean())
 
 
 @pytest.mark.parametrize("model", ["tiny_gemma", "tiny_llama"])

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_run import qship
+from factories import DIMS
 
 from pipeline.errors import RecipeError
 from pipeline.model.loading import meta_model
@@ -17,11 +18,6 @@ from pipeline.quantize import plan_for_config
 from pipeline.recipe import load_recipe, parse_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-DIMS = dict(
-    vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=0,
-    bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
 MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
            shared_expert_intermediate_size=128)  # fmt: skip
 # model type -> (attention, mlp, experts, router) Linear-or-router counts for 2 layers

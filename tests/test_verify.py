@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from factories import ec_keypair, resum
 
 from pipeline.artifact.signing import SIGNATURE, sign_artifact
 from pipeline.artifact.verify import verify
 from pipeline.cli import main
 from pipeline.errors import IntegrityError, UsageError
-from pipeline.io.hashing import format_sha256sums, sha256_file
+from pipeline.io.hashing import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,18 +26,6 @@ def copy(src: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "art"
     shutil.copytree(src, dst, symlinks=True)
     return dst
-
-
-def resum(art: Path) -> None:
-    """Rewrite SHA256SUMS to match the files, so a deeper check is what must fail."""
-    rels = sorted(
-        p.relative_to(art).as_posix()
-        for p in art.rglob("*")
-        if p.is_file() and not p.is_symlink() and p.name not in ("SHA256SUMS", SIGNATURE)
-    )
-    (art / "SHA256SUMS").write_text(
-        format_sha256sums({r: sha256_file(art / r).sha256 for r in rels})
-    )
 
 
 def cli_verify(art: Path, *extra: str, capsys) -> tuple[int, dict]:
@@ -48,27 +37,6 @@ def cli_verify(art: Path, *extra: str, capsys) -> tuple[int, dict]:
 
 def shard(art: Path, i: int = 2) -> Path:
     return next(iter(sorted(art.glob(f"model-0000{i}-of-*.safetensors"))))
-
-
-def ec_keypair(dir: Path, name: str) -> tuple[Path, Path]:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    priv, pub = dir / f"{name}.pem", dir / f"{name}.pub.pem"
-    priv.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    pub.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return priv, pub
 
 
 # ------------------------------------------------------------------ the good case

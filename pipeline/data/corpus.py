@@ -9,7 +9,7 @@ Sources (`calibration.source` in a recipe):
   otherwise (offline, no such dataset) the builtin corpus, and the source says so.
 * a local `.txt` (documents = paragraphs) or `.jsonl`/`.json` file (a `text` field per row;
   rows that also carry `doc_id` and `part` keep them, so a corpus exported with
-  `bench/export_corpus.py` gives the same split and the same tokens as its source).
+  `bench/device/export_corpus.py` gives the same split and the same tokens as its source).
 
 Every corpus is a `datasets.Dataset` with columns text, doc_id and part.
 """
@@ -25,7 +25,7 @@ from ..errors import UsageError
 
 LICENSES_DIR = Path("/usr/share/common-licenses")
 # the distributions a corpus source needs at run time beyond qship's core (a GPU host's
-# wheel list, bench/gpu_wheels.txt, must carry them: tests/test_cli.py checks)
+# wheel list, bench/device/gpu_wheels.txt, must carry them: tests/test_cli.py checks)
 SOURCE_NEEDS = {"builtin:english": ("gensim", "smart_open", "wrapt")}
 
 
@@ -101,7 +101,7 @@ def _local(path: Path) -> Any:
                 path=str(path),
                 hint="write one JSON object per line with a 'text' field",
             )
-        # doc_id/part, when present, are kept: `bench/export_corpus.py` writes builtin:english
+        # doc_id/part, when present, are kept: `bench/device/export_corpus.py` writes builtin:english
         # this way so a machine without gensim builds the very same token sets
         if {"doc_id", "part"} <= set(ds.column_names):
             cols = ["text", "doc_id", "part"]

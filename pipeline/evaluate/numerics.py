@@ -165,7 +165,7 @@ def _w4a8(module: Any) -> None:
 def _round_inputs(quant: Any) -> Any:
     def hook(module: Any, inputs: tuple) -> tuple | None:
         if not module.qship_round_activations:
-            return None  # a share measurement's switch (bench/act_share.py)
+            return None  # a share measurement's switch (bench/studies/act_share.py)
         return (quant(inputs[0]), *inputs[1:])
 
     return hook

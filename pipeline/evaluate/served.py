@@ -273,7 +273,7 @@ def rounding_floor(
     value near a rounding boundary lands on the neighbouring level, so the two are two
     independent draws of that run-time rounding's noise around the same weights: their KL
     is about the sum of each one's KL to the unrounded model, their top-1 agreement about
-    the product of each one's agreement (bench/served_noise.py: an INT8 W8A8 Gemma 3 270M in
+    the product of each one's agreement (bench/studies/served_noise.py: an INT8 W8A8 Gemma 3 270M in
     float32 vs bfloat16, KL 0.081 between them, 0.061 / 0.073 to the reference; 0.003 for a
     weight-only one). So: KL up to twice the run-time rounding's own part of the measured
     KL (`run_time_share` of it: an FP8 KV cache's is what evaluate's KV-off pass removes,

@@ -6,7 +6,7 @@ fp8(q * s8) * c * 8, not q * s (model/w4a8.py), and for some weights another q's
 value is nearer w. Choosing q by the served values instead puts each weight at the nearest
 value the kernel can serve: on four layers of Gemma 3 270M / Qwen2.5-Coder-0.5B (min-max
 scales) the served weights' squared error over exact int4 falls from +6.1 / +5.3 % to +2.0 /
-+1.8 % (bench/RESULTS.md, bench/w4a8_grid.py). No error feedback: that is GPTQ's
++1.8 % (bench/RESULTS.md, bench/studies/w4a8_grid.py). No error feedback: that is GPTQ's
 (quantize/w4a8_gptq.py), which these modules do not run. In KL it is small beside RTN's own
 error: Gemma 3 270M's data-free W4A8, exact mean KL 0.6431 -> 0.6399, p99 3.71 -> 3.60.
 

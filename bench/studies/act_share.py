@@ -4,11 +4,11 @@ one kind of fused set (q/k/v, o, gate/up, down) or one decoder layer, against th
 reference, minus the KL with it on nowhere (the quantized weights alone) -- the evidence for
 keeping chosen sets' activations 16-bit (issue 29's per-set formats).
 
-    python bench/act_share.py REFERENCE CANDIDATE --sequences 4 [--by kind|layer] --out F.json
+    python bench/studies/act_share.py REFERENCE CANDIDATE --sequences 4 [--by kind|layer] --out F.json
 
 A W4A8 candidate's "weights only" figure keeps vLLM's FP8 group scales (set when loaded).
 
-Text and KL: bench/share_common.py.
+Text and KL: bench/studies/share_common.py.
 """
 
 from __future__ import annotations

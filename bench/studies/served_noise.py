@@ -6,9 +6,9 @@ activations are rounded per token, a small difference in a Linear's input moves 
 across rounding boundaries, so the two disagree by more than for a weight-only checkpoint
 -- the floor under the served check's served-vs-measured figures.
 
-    python bench/served_noise.py REFERENCE CANDIDATE --sequences 4 --out F.json
+    python bench/studies/served_noise.py REFERENCE CANDIDATE --sequences 4 --out F.json
 
-Text and reference: bench/share_common.py.
+Text and reference: bench/studies/share_common.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ as a bare `oneshot(...)` call would use): the issue's target is that qship's def
 at most half the bare default time at equal quality. Each run is a fresh subprocess so
 that peak memory is per run.
 
-    python bench/quantize_bench.py --model DIR [--recipes gemma-mixed-w4 rtn-w4 ...]
+    python bench/studies/quantize_bench.py --model DIR [--recipes gemma-mixed-w4 rtn-w4 ...]
         [--bare] [--out results.json] [--device cuda] [--num-samples N --seq-len L]
 
 Runs without qship being installed (the repo root is put on sys.path).
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 ALL = ["gemma-mixed-w4", "awq-w4", "gptq-w4", "rtn-w4", "mixed-w4-nokv", "w8-int8"]

@@ -3,7 +3,7 @@
 With --reference, the per-item results are stored where `qship evaluate` / `compare` look
 for the reference's (same cache key): the timed pass is the reference pass they reuse.
 
-    python bench/benchmarks_bench.py --model DIR --cache-dir DIR --device cuda --batch-size 32 \
+    python bench/studies/benchmarks_bench.py --model DIR --cache-dir DIR --device cuda --batch-size 32 \
         --out bench/benchmarks_gemma270m_h200.json [--tasks hellaswag ... mmlu] [--limit N]
 
 Prints one row per task: items, accuracy (± s.e.), seconds, items per second.
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.data import benchmarks as data  # noqa: E402

@@ -1,4 +1,4 @@
-"""What bench/kv_layer_share.py, act_share.py, w4a8_table_ab.py and served_noise.py share:
+"""What bench/studies/kv_layer_share.py, act_share.py, w4a8_table_ab.py and served_noise.py share:
 their arguments, the text
 (the last 60 documents of the exported corpus, the same Lee news text qship calibrates on,
 cut into rows of 512 tokens) and the reference's logits on it, full vocabulary, on the CPU."""

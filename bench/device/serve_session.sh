@@ -15,7 +15,7 @@
 set -uo pipefail
 S=/root/stash
 # the commands that start background jobs run them from a copy of the tree
-case "${1:-}" in gemma-bg) . bench/session_tree.sh; freeze_tree ;; esac
+case "${1:-}" in gemma-bg) . bench/device/session_tree.sh; freeze_tree ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \

@@ -6,7 +6,7 @@ qship's recipe schema has no rotation field: rotations did not earn one (bench/R
 modifiers qship builds from the recipe, under a recipe name of its own (`<name>-quip`, so
 the stage cache keeps the two apart), and runs the same compare.
 
-    python bench/rotation_lever.py --model SRC --recipe R.yaml --out DIR [--block 128]
+    python bench/studies/rotation_lever.py --model SRC --recipe R.yaml --out DIR [--block 128]
         [--cache-dir C] [--device cuda]
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.compare import compare  # noqa: E402
 from pipeline.quantize import engine, modifiers  # noqa: E402

@@ -3,11 +3,11 @@
 its inputs 16-bit or FP8-rounded per token) beside the twin (the same GPTQ recipe without
 activation quantization), exact full-vocabulary KL on the same rows.
 
-    python bench/w4a8_split.py REFERENCE W4A8_CKPT --twin W4A16_CKPT --sequences 8 --out F.json
+    python bench/studies/w4a8_split.py REFERENCE W4A8_CKPT --twin W4A16_CKPT --sequences 8 --out F.json
 
 The twin against "exact weights, 16-bit inputs" is what calibrating with the activation
 scheme changed in GPTQ's weights; the other two steps are the served weights' and the FP8
-activations' shares. Text and KL: bench/share_common.py.
+activations' shares. Text and KL: bench/studies/share_common.py.
 """
 
 from __future__ import annotations

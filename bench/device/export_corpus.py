@@ -4,9 +4,9 @@ For machines without gensim (the lent GPU): a local JSONL with doc_id/part gives
 document split and the same token sets as builtin:english (pipeline/data/tokens.py), so GPU and
 CPU runs are scored on the very same held-out tokens.
 
-    python bench/export_corpus.py DIR recipes/*.yaml [bench/recipes/*.yaml]
+    python bench/device/export_corpus.py DIR recipes/*.yaml [bench/recipes/*.yaml]
       -> DIR/english.jsonl and DIR/recipes/<name>.yaml (calibration.source = DIR/english.jsonl;
-         lm-eval and the benchmark data travel too: bench/gpu_wheels.txt, gpu_session.sh)
+         lm-eval and the benchmark data travel too: bench/device/gpu_wheels.txt, gpu_session.sh)
     --kl-only NAME ...  also DIR/recipes/NAME-h200.yaml for those recipes: no benchmarks, no
          gates, vLLM's served check (what the GPU sessions' quality rows need, in less time)
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.data.corpus import corpus_hash, load_corpus  # noqa: E402
 

@@ -2,10 +2,10 @@
 query) rounding on one decoder layer only, against the reference, minus the KL with it on
 none -- the evidence for a recipe's kv_cache.skip_layers (issue 31).
 
-    python bench/kv_layer_share.py REFERENCE CANDIDATE --sequences 4 --out kv_layers.json
+    python bench/studies/kv_layer_share.py REFERENCE CANDIDATE --sequences 4 --out kv_layers.json
 
 REFERENCE is the 16-bit model folder, CANDIDATE a quantized checkpoint with an FP8 KV cache.
-Text and KL: bench/share_common.py.
+Text and KL: bench/studies/share_common.py.
 """
 
 from __future__ import annotations

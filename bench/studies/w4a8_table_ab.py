@@ -3,9 +3,9 @@ CUTLASS W4A8 kernel: the candidate as qship simulates it (`numerics.serve_linear
 group scales, each weight fp8(q * s8) * c, FP8 per-token activations), then the same with
 the exact products q * s8 * c, both against the reference on the CPU.
 
-    python bench/w4a8_table_ab.py REFERENCE CANDIDATE --sequences 2 [--dtype bfloat16] --out F.json
+    python bench/studies/w4a8_table_ab.py REFERENCE CANDIDATE --sequences 2 [--dtype bfloat16] --out F.json
 
-Text and reference: bench/share_common.py.
+Text and reference: bench/studies/share_common.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Recipe variants for bench/frontier_session.sh (YAML in, YAML out).
+"""Recipe variants for bench/device/frontier_session.sh (YAML in, YAML out).
 
-python bench/frontier_session.py notask DIR R.yaml...   # benchmark tasks removed (KL only)
-python bench/frontier_session.py tasks DIR R.yaml...    # six benchmark subsets, 1,000 items each
-python bench/frontier_session.py nogate DIR R.yaml...   # KL only, no gates (to package and serve)
+python bench/device/frontier_session.py notask DIR R.yaml...   # benchmark tasks removed (KL only)
+python bench/device/frontier_session.py tasks DIR R.yaml...    # six benchmark subsets, 1,000 items each
+python bench/device/frontier_session.py nogate DIR R.yaml...   # KL only, no gates (to package and serve)
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # H200 session for the activation formats (issue 29) and served speed (issue 30). Every carry
-# below is built on a new machine by `VLLM_PACK=DIR bash bench/carry_prepare.sh`. Inputs
+# below is built on a new machine by `VLLM_PACK=DIR bash bench/device/carry_prepare.sh`. Inputs
 # travel as in frontier_session.sh: qship's wheels (.whl), the corpus and recipes (.qship-gpu,
-# `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/formats/*.yaml
+# `python bench/device/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/formats/*.yaml
 # bench/recipes/perf/*.yaml`), the benchmark data for bench6 (.benchcache: this machine's
 # verified `benchmark-data` cache entry, 23 MB), the Gemma GGUF in .devstash-g0..6, the Qwen2.5-Coder-0.5B GGUF
 # in .devstash-q0..12, vLLM 0.26 (pack_vllm.sh) in .devstash7 (p1: vllm_C.tar.xz, 56 MB, over
@@ -58,7 +58,7 @@
 set -uo pipefail
 S=/root/stash
 # the commands that start background jobs run them from a copy of the tree
-case "${1:-}" in start-*|after-speed|waiter) . bench/session_tree.sh; freeze_tree ;; esac
+case "${1:-}" in start-*|after-speed|waiter) . bench/device/session_tree.sh; freeze_tree ;; esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$S" "$OUT" "$S/rows"
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -74,7 +74,7 @@ SPEED=${SPEED-"rtn-w4a16 fp8-dynamic-rtn"}
 link() { [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu; }
 bg() {  # JOB [CPUS] in the background, outliving the call, on cores CPUS; $S/JOB.done at its end
   setsid nohup taskset -c "${2:-0-$(( $(nproc) - 1 ))}" bash -c \
-    "bash bench/formats_session.sh run-$1 > $S/$1.log 2>&1; touch $S/$1.done" > /dev/null 2>&1 &
+    "bash bench/device/formats_session.sh run-$1 > $S/$1.log 2>&1; touch $S/$1.done" > /dev/null 2>&1 &
 }
 
 recipe() { if [ -f "$L/$1-h200.yaml" ]; then echo "$L/$1-h200.yaml"; else echo "$L/$1.yaml"; fi; }
@@ -198,7 +198,7 @@ speed() {  # alone on the GPU: Qwen's artifacts, then the 8B checkpoints (+ the 
 
 case "$1" in
 stage)  # the same staging as the frontier session
-  bash bench/frontier_session.sh stage
+  bash bench/device/frontier_session.sh stage
   if [ -f "$S/vllmC.split00" ] && [ -f "$S/vllmC.split01" ]; then  # vLLM's part 1, in two carries
     cat "$S/vllmC.split00" "$S/vllmC.split01" > "$S/vllm_C.tar.xz" && rm "$S"/vllmC.split0*
   fi
@@ -217,13 +217,13 @@ start-qwen)
   ;;
 start-final)  # the last vLLM part in: its environment (the waiting served checks start); once
   # the jobs of WAIT_FOR (empty: none) and every check are done, alone on the GPU: served speed
-  link; OUT=$S bash bench/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
+  link; OUT=$S bash bench/device/serve_session.sh vllm-env > "$S/vllm-env.log" 2>&1; tail -2 "$S/vllm-env.log"
   [ -x "$S/vllm-python" ] && touch "$S/vllm.ready"  # the waiting served checks start
-  bash bench/formats_session.sh waiter
+  bash bench/device/formats_session.sh waiter
   ;;
 start-caps)  # the capped 8B runs again, on their own (after a fix), the waiter told to wait for them
   pkill -f "[f]or j in .*done" ; rm -rf "$S/r8b-cap12" "$S/r8b-cap-tiny"; bg caps 0-4
-  WAIT_FOR="${WAIT_FOR:-gemma r8b} caps" bash bench/formats_session.sh waiter
+  WAIT_FOR="${WAIT_FOR:-gemma r8b} caps" bash bench/device/formats_session.sh waiter
   ;;
 run-caps) link; caps ;;
 after-speed)  # a second round once the running speed bench is done: start-$2 (gemma, qwen)
@@ -231,25 +231,25 @@ after-speed)  # a second round once the running speed bench is done: start-$2 (g
   # first round's log kept as speed-HHMM.log); how the 8B and Qwen shared 2026-12-06's session
   setsid nohup bash -c "while [ ! -f $S/speed.done ]; do sleep 2; done
     mv $S/speed.log $S/speed-\$(date +%H%M).log; rm $S/speed.done
-    bash bench/formats_session.sh start-$2 && WAIT_FOR=$2 bash bench/formats_session.sh waiter" \
+    bash bench/device/formats_session.sh start-$2 && WAIT_FOR=$2 bash bench/device/formats_session.sh waiter" \
     > "$S/after-speed.log" 2>&1 < /dev/null &
   ;;
 waiter)
   setsid nohup bash -c "for j in ${WAIT_FOR-gemma qwen r8b}; do while [ ! -f $S/\$j.done ]; do sleep 3; done; done;
     sleep 5; while pgrep -f '^python3 -m pipeline.cli verify' > /dev/null; do sleep 3; done;
-    bash bench/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done" > /dev/null 2>&1 &
+    bash bench/device/formats_session.sh run-speed > $S/speed.log 2>&1; touch $S/speed.done" > /dev/null 2>&1 &
   sleep 2; tail -n 3 "$S"/gemma.log "$S"/qwen.log "$S"/r8b.log
   ;;
 probe-w4a8)  # after art-T-w4a8-fp8 exists and vLLM is in: its CUTLASS W4A8 kernel against
-  # qship's simulation, Linear by Linear (bench/w4a8_kernel_probe.py), for T in $PROBE; a T
+  # qship's simulation, Linear by Linear (bench/studies/w4a8_kernel_probe.py), for T in $PROBE; a T
   # with no such artifact names a checkpoint folder in $S itself (e.g. r8b-w4a8-fp8-rtn: the
   # random 8B's, `SPEED=w4a8-fp8-rtn R8B_EXTRA=0 start-r8b`, which needs no GGUF staged)
   link
   for t in ${PROBE:-qwen gemma}; do
     a="$S/art-$t-w4a8-fp8"; [ -d "$a" ] || a="$S/$t"
     [ -f "$a/config.json" ] || continue
-    "$S/vllm-python" bench/w4a8_kernel_probe.py serve "$a" "$S/rows/$t-w4a8-probe.safetensors" > "$S/$t-probe.log" 2>&1
-    python3 bench/w4a8_kernel_probe.py compare "$a" "$S/rows/$t-w4a8-probe.safetensors" \
+    "$S/vllm-python" bench/studies/w4a8_kernel_probe.py serve "$a" "$S/rows/$t-w4a8-probe.safetensors" > "$S/$t-probe.log" 2>&1
+    python3 bench/studies/w4a8_kernel_probe.py compare "$a" "$S/rows/$t-w4a8-probe.safetensors" \
       --json "$S/rows/$t-w4a8-probe.json" >> "$S/$t-probe.log" 2>&1
     grep -v "Warning\|warn(\|it/s" "$S/$t-probe.log" | tail -n 8
   done

@@ -3,7 +3,7 @@ by step and by kind (anonymous, file-backed, shared; torch's page-locked pool), 
 qship loads it today and how it did before (issue 32: 3.15x the weights of 8
 Qwen3-30B-A3B-dims layers, H100 2026-12-06).
 
-    python bench/moe_host_probe.py MODEL_DIR VARIANT [--json OUT]
+    python bench/studies/moe_host_probe.py MODEL_DIR VARIANT [--json OUT]
 
 VARIANT: `old` (experts fused on load then split, each tensor pinned on its own), `direct`
 (per-expert tensors read as Linear experts, each pinned on its own), `packed` (qship now:
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.model import loading  # noqa: E402
 from pipeline.quantize.memory import _AnonSampler, _status_kb  # noqa: E402

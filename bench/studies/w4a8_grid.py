@@ -11,7 +11,7 @@
 
 and each method's summed squared error relative to `uniform`.
 
-    python bench/w4a8_grid.py MODEL_DIR --layers 0 5 11 17 --out F.json
+    python bench/studies/w4a8_grid.py MODEL_DIR --layers 0 5 11 17 --out F.json
 """
 
 from __future__ import annotations

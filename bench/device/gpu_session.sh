@@ -3,22 +3,22 @@
 # transformers and accelerate; the rest travels as Python 3.12 wheels in .whl/, and the
 # 253 MB Gemma GGUF in 52 MB chunks in .devstash/ (one carried per `stage` call,
 # collected in /root/stash, which lives as long as the machine stays warm).
-#   bash bench/gpu_session.sh stage      # install wheels / stash the carried chunk
-#   bash bench/gpu_session.sh gemma      # fetch + quantize bench (all recipes, bare) + eval bench
-#   bash bench/gpu_session.sh big        # random Llama-3-8B-shaped model: qship vs bare oneshot
-#   bash bench/gpu_session.sh search     # sensitivity + recipe grid + compare report (bench/recipe_search.py)
-#   bash bench/gpu_session.sh q8b        # 8B dims: qship (AWQ cache on GPU / offloaded) vs bare, time and peak by phase
-#   bash bench/gpu_session.sh g270       # the same on Gemma 3 270M with mean KL; qship evaluate --exact
-#   bash bench/gpu_session.sh evalbench  # cached vs exact KL, eval throughput, calibration batch vs peak memory
-#   bash bench/gpu_session.sh bench16    # the full benchmark sets: reference per task, then recipes via compare
-#   bash bench/gpu_session.sh scale      # 8B dims: weights on the GPU vs --offload cpu vs the torchrun launcher (VARIANTS), KL=1: the KL table
-# .qship-gpu/ comes from `python bench/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/*.yaml`;
-# .whl/ from `bash bench/gpu_wheels.sh` (the lock bench/gpu_wheels.txt); .benchcache/ is this
+#   bash bench/device/gpu_session.sh stage      # install wheels / stash the carried chunk
+#   bash bench/device/gpu_session.sh gemma      # fetch + quantize bench (all recipes, bare) + eval bench
+#   bash bench/device/gpu_session.sh big        # random Llama-3-8B-shaped model: qship vs bare oneshot
+#   bash bench/device/gpu_session.sh search     # sensitivity + recipe grid + compare report (bench/recipe_search.py)
+#   bash bench/device/gpu_session.sh q8b        # 8B dims: qship (AWQ cache on GPU / offloaded) vs bare, time and peak by phase
+#   bash bench/device/gpu_session.sh g270       # the same on Gemma 3 270M with mean KL; qship evaluate --exact
+#   bash bench/device/gpu_session.sh evalbench  # cached vs exact KL, eval throughput, calibration batch vs peak memory
+#   bash bench/device/gpu_session.sh bench16    # the full benchmark sets: reference per task, then recipes via compare
+#   bash bench/device/gpu_session.sh scale      # 8B dims: weights on the GPU vs --offload cpu vs the torchrun launcher (VARIANTS), KL=1: the KL table
+# .qship-gpu/ comes from `python bench/device/export_corpus.py .qship-gpu recipes/*.yaml bench/recipes/*.yaml`;
+# .whl/ from `bash bench/device/gpu_wheels.sh` (the lock bench/device/gpu_wheels.txt); .benchcache/ is this
 # machine's verified benchmark-data cache entry (the 86 MB wheel exceeds one carry).
 set -uo pipefail
 S=/root/stash
 # the commands that start background jobs run them from a copy of the tree
-case "${1:-}" in scale) . bench/session_tree.sh; freeze_tree ;; esac
+case "${1:-}" in scale) . bench/device/session_tree.sh; freeze_tree ;; esac
 mkdir -p "$S" "${OUT:-/tmp/out}"
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -40,7 +40,7 @@ quantize_variants() {  # MODEL RECIPE TAG [quantize_bench flags...]
       bd-*) x="--awq-offload ${v#bd-} --memory-breakdown" ;;
       *) x="--awq-offload $v" ;;
     esac
-    timeout "${T:-400}" python3 bench/quantize_bench.py --model "$m" --device cuda --work "$S/$tag" --recipes "$r" $x "$@" \
+    timeout "${T:-400}" python3 bench/studies/quantize_bench.py --model "$m" --device cuda --work "$S/$tag" --recipes "$r" $x "$@" \
       --out "$OUT/$tag-$v.json" 2>&1 | grep -v "Warning\|warn(" > "$S/$tag-$v.log"
     grep -E "^==|^\[|oneshot |failed|Error| MB  |    [a-z_]+/" "$S/$tag-$v.log" | head -80
   done
@@ -66,7 +66,7 @@ gemma)
   SNAP=$(python3 -c "import json;print(json.load(open('$OUT/fetch.json'))['path'])")
   python3 -c "from transformers import AutoTokenizer as T; print('probe', T.from_pretrained('$SNAP')('The capital of France is').input_ids)"
   shift
-  python3 bench/quantize_bench.py --model "$SNAP" --device cuda --work "$S/qwork" --keep \
+  python3 bench/studies/quantize_bench.py --model "$SNAP" --device cuda --work "$S/qwork" --keep \
     --out "$OUT/quantize_gemma.json" "$@" 2>&1 | grep -v "Warning\|warn(" > "$OUT/quantize_gemma.log"
   grep -E "^==|oneshot |ratio|failed|Error" "$OUT/quantize_gemma.log"
   python3 bench/eval_bench.py --reference "$SNAP" --candidate "$S/qwork/gemma-mixed-w4--qship" \
@@ -97,7 +97,7 @@ evalbench)
     --batch-size 8 --topk 128 256 1024 4096 --device cuda --json "$OUT/eval_gemma.json" > "$OUT/eval_gemma.log" 2>&1
   tail -25 "$OUT/eval_gemma.log"
   for b in ${BATCHES:-1 4}; do
-    python3 bench/quantize_bench.py --model "$SNAP" --device cuda --recipes .qship-gpu/recipes/gemma-mixed-w4.yaml \
+    python3 bench/studies/quantize_bench.py --model "$SNAP" --device cuda --recipes .qship-gpu/recipes/gemma-mixed-w4.yaml \
       --batch-size "$b" --no-kl --work "$S/qb$b" --out "$OUT/quantize_gemma_b$b.json" 2>&1 | grep -E "^==|oneshot |peak|failed|Error"
   done
   ;;
@@ -131,7 +131,7 @@ bench16)
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
   SNAP=$(gemma_snapshot)
   if [ "${REF:-1}" = 1 ]; then
-    timeout "${T:-400}" python3 bench/benchmarks_bench.py --model "$SNAP" --cache-dir "$S/cache" --device cuda \
+    timeout "${T:-400}" python3 bench/studies/benchmarks_bench.py --model "$SNAP" --cache-dir "$S/cache" --device cuda \
       --batch-size 32 --reference --out "$OUT/benchmarks_reference.json" 2> "$S/b16.log" || tail -5 "$S/b16.log"
   fi
   [ -n "${RECIPES:-}" ] || exit 0
@@ -192,7 +192,7 @@ big)
   M=$S/llama8b
   [ -f "$M/config.json" ] || python3 bench/make_random_llama.py "$M" || exit 1
   RC=recipes/gemma-mixed-w4.yaml; [ -f .qship-gpu/recipes/gemma-mixed-w4.yaml ] && RC=.qship-gpu/recipes/gemma-mixed-w4.yaml
-  python3 bench/quantize_bench.py --model "$M" --device cuda --work "$S/qwork8b" --bare-only --no-kl --recipes $RC ${BATCH:+--batch-size $BATCH} \
+  python3 bench/studies/quantize_bench.py --model "$M" --device cuda --work "$S/qwork8b" --bare-only --no-kl --recipes $RC ${BATCH:+--batch-size $BATCH} \
     --out "$OUT/quantize_8b.json" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/quantize_8b.log" | grep -E "^==|oneshot|ratio|failed|Error|error"
   ;;
 esac

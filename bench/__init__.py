@@ -1,0 +1,1 @@
+"""qship's benchmark harness: `python -m bench list`, `python -m bench run SUITE`."""
