@@ -137,3 +137,38 @@ def test_without_namespaces_it_refuses_unless_accepted(monkeypatch):
     box = sandbox_for("sandboxed-no-netns", where="r.yaml")
     assert not box.namespaces and "NO network namespace" in box.isolation
     assert box.run("pass\n").passed
+
+
+def test_a_sandbox_that_cannot_start_python_is_refused(monkeypatch):
+    """Not every program scored 0 in silence: exit 2 naming the interpreter."""
+    monkeypatch.setattr(sandbox, "PYTHON", "/nonexistent/python3")
+    with pytest.raises(UsageError, match="cannot run Python") as e:
+        sandbox_for("sandboxed-no-netns", where="r.yaml")
+    assert e.value.exit_code == 2 and "/nonexistent/python3" in e.value.hint
+
+
+def test_a_run_with_a_code_task_and_no_opt_in_stops_before_quantize(
+    tmp_path, tiny_llama, qship_test_cache, capsys, monkeypatch
+):
+    import json
+
+    from cli_run import qship
+
+    monkeypatch.delenv(sandbox.OPT_IN_ENV, raising=False)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "name": "code", "others": "keep",
+        "groups": [{"name": "all", "targets": ["re:.*_proj$"], "method": "rtn",
+                    "scheme": {"bits": 4, "group_size": 32}}],
+        "calibration": {"num_samples": 4, "seq_len": 64},
+        "evaluation": {"sequences": 2, "seq_len": 64, "tasks": ["mbpp"], "limit": 2},
+    }))  # fmt: skip
+    out = tmp_path / "art"
+    rc, res = qship(capsys, "run", "--model", str(tiny_llama), "--recipe", str(recipe),
+                    "--out", str(out), "--cache-dir", str(qship_test_cache))  # fmt: skip
+    assert rc == 2 and "evaluation.code_execution" in res["message"], res
+    assert not out.exists()
+    stages = [
+        s["stage"] for s in json.loads((Path(f"{out}.report") / "run.json").read_text())["stages"]
+    ]
+    assert "quantize" not in stages

@@ -41,6 +41,7 @@ from ..errors import UsageError
 MODES = ("off", "sandboxed", "sandboxed-no-netns")
 OPT_IN_ENV = "HF_ALLOW_CODE_EVAL"
 SANDBOX_USER = "nobody"
+PYTHON = sys.executable  # the interpreter programs run with (stdlib only: `-I`)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Sandbox:
     namespaces: bool
     uid: int | None  # the unprivileged user programs run as (None: not root)
     limits: Limits = field(default_factory=Limits)
-    python: str = sys.executable
+    python: str = field(default_factory=lambda: PYTHON)
 
     @property
     def isolation(self) -> str:
@@ -149,12 +150,26 @@ def _sandbox_uid() -> int | None:
     return pwd.getpwnam(SANDBOX_USER).pw_uid
 
 
+PROBE = "import socket\nsocket.socket()\n"
+
+
 def _namespaces_work(uid: int | None) -> bool:
     """Whether this OS lets qship give a program its own network and PID namespaces."""
     if shutil.which("unshare") is None:
         return False
-    probe = Sandbox(namespaces=True, uid=uid, limits=Limits(wall_s=30.0))
-    return probe.run("import socket\nsocket.socket()\n").passed
+    return Sandbox(namespaces=True, uid=uid, limits=Limits(wall_s=30.0)).run(PROBE).passed
+
+
+def _check_starts(box: Sandbox, *, where: str) -> None:
+    """A sandbox that cannot start Python would score every program 0: exit 2 instead."""
+    out = box.run(PROBE)
+    if not out.passed:
+        raise UsageError(
+            f"the code sandbox cannot run Python ({box.isolation}): {out.output[-300:]}",
+            path=where,
+            hint=f"the user {SANDBOX_USER} must be able to execute {box.python} and read "
+            "its standard library",
+        )
 
 
 def code_execution_mode(recipe_mode: str) -> str:
@@ -192,4 +207,5 @@ def sandbox_for(recipe_mode: str, *, where: str, limits: Limits | None = None) -
             hint="run where namespaces work, or accept running model code with network "
             "access: evaluation.code_execution: sandboxed-no-netns (eval.json records it)",
         )
+    _check_starts(box, where=where)
     return box
