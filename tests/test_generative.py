@@ -6,12 +6,15 @@ with the paired report."""
 from __future__ import annotations
 
 import pytest
+from factories import eval_report
 
+from pipeline import gate
 from pipeline.data import benchmarks as data
 from pipeline.data.generative import GENERATIVE, load_docs
 from pipeline.errors import UsageError
 from pipeline.evaluate import benchmarks, generative, model_ref
 from pipeline.evaluate.sandbox import Limits, sandbox_for
+from pipeline.recipe import Gates
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,30 @@ def test_a_tiny_model_end_to_end_paired_and_cached(
         assert "drop" in t.describe()
     assert "network+pid namespaces" in (first.tasks["mbpp"].isolation or "")
     assert first.tasks["gsm8k"].isolation is None
+    # gates.tasks bounds each like any task
+    report = eval_report(tasks={n: t.model_dump(mode="json") for n, t in first.tasks.items()})
+    verdict = gate.check(report, Gates(tasks={"gsm8k": {"max_drop": 100.0},
+                                              "mbpp": {"max_drop": -100.0}}))  # fmt: skip
+    assert [(c.name, c.passed) for c in verdict.checks] == [
+        ("tasks.gsm8k.max_drop", True), ("tasks.mbpp.max_drop", False)]  # fmt: skip
+    print({n: t.describe() for n, t in first.tasks.items()}, first.seconds)
     again = benchmarks.compare(ref, tiny_quantized_dir, **kw)
     for name, t in again.tasks.items():
         assert t.reference_cached and t.reference == first.tasks[name].reference
         assert t.candidate == first.tasks[name].candidate  # greedy: the same completions
+
+
+def test_eval_md_and_json_say_how_code_was_isolated(box):
+    from factories import eval_file
+
+    from pipeline.evaluate.markdown import render_markdown
+    from pipeline.evaluate.paired import paired
+    from pipeline.records import EvalFile
+
+    items = {str(i): float(i % 2) for i in range(10)}
+    row = {"status": "ok", "metric": "pass@1", "split": "test", "n_total": 164,
+           "isolation": box.isolation, **paired(items, items, where="humaneval")}  # fmt: skip
+    ev = eval_file("w4", 4.5, 0.1, None, tasks={"humaneval": row})
+    assert "ran sandboxed: network+pid namespaces, uid 65534" in render_markdown(ev)
+    back = EvalFile.from_json(ev.to_json())
+    assert back.benchmarks.tasks["humaneval"].isolation == box.isolation

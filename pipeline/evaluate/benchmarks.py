@@ -185,9 +185,9 @@ def _worker(spec: dict) -> None:
     for t in spec["tasks"]:
         samples = r["samples"].get(t) or []
         if t in GENERATIVE:  # qship scores the completions (generative.py)
-            out[t] = {"status": "ok", "split": "test", "n_total": len(load_docs(
-                      t, Path(spec["data_dir"]))), "completions": {
-                      str(s["doc_id"]): s["resps"][0][0] for s in samples}}  # fmt: skip
+            done = {str(s["doc_id"]): s["resps"][0][0] for s in samples}
+            n_total = len(load_docs(t, Path(spec["data_dir"])))
+            out[t] = {"status": "ok", "split": "test", "n_total": n_total, "completions": done}
             continue
         metric = _primary(t, samples[0]) if samples else None
         if metric is None:
