@@ -21,6 +21,9 @@ Where the OS gives no namespaces (not root, or a container that forbids unshare)
 is refused unless the recipe accepts it explicitly (`code_execution:
 sandboxed-no-netns`): then only the limits, the folder, the environment and (as root) the
 user change apply. eval.json records which isolation ran (`TaskResult.isolation`).
+
+Programs run one at a time: the process limit is per user, so a fork bomb running beside
+an honest program could make that one fail to start.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ PYTHON = sys.executable  # the interpreter programs run with (stdlib only: `-I`)
 
 @dataclass(frozen=True)
 class Limits:
-    cpu_s: int = 10
-    wall_s: float = 15.0
+    # code_eval allows 3 s; the tests take milliseconds, so a completion that loops costs
+    # at most this much per item
+    cpu_s: int = 5
+    wall_s: float = 10.0
     memory_bytes: int = 1 << 30  # address space: a 10 GB allocation fails
     file_bytes: int = 16 << 20
     processes: int = 64  # per user: a fork bomb stops here (and dies with the namespace)
