@@ -172,3 +172,17 @@ def test_a_run_with_a_code_task_and_no_opt_in_stops_before_quantize(
         s["stage"] for s in json.loads((Path(f"{out}.report") / "run.json").read_text())["stages"]
     ]
     assert "quantize" not in stages
+
+
+def test_no_file_descriptor_is_inherited(box, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token")
+    fd = os.open(secret, os.O_RDONLY)
+    high = os.dup2(fd, 200, inheritable=True)  # one a careless parent would pass on
+    try:
+        out = box.run(f"import os\nprint(os.read({high}, 100))\n")
+    finally:
+        os.close(high)
+        os.close(fd)
+    assert out.status == "failed" and "Bad file descriptor" in out.output
+    assert "token" not in out.output
