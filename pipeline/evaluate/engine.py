@@ -173,7 +173,7 @@ def evaluate(
         benchmarks = bm.compare(
             reference, candidate.path, tasks=list(tasks), hub_tasks=list(hub_tasks),
             data_dir=data_dir, limit=o.limit, cache_dir=cache_dir, device=device, dtype=dtype,
-            batch_size=o.task_batch_size, offload=offload,
+            batch_size=o.task_batch_size, offload=offload, code_execution=o.code_execution,
         )  # fmt: skip
         timings["benchmarks_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_all

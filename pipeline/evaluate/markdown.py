@@ -96,6 +96,10 @@ def render_markdown(ev: EvalFile) -> str:
                 f"{t.drop_pp:+.2f} [{lo:+.2f}, {hi:+.2f}] | "
                 f"{'within' if t.within_noise else 'BEYOND'} | {t.lost} / {t.gained} |"
             )
+        code = sorted(n for n, t in b.tasks.items() if t.isolation)
+        if code:  # the sandbox's isolation (evaluate/sandbox.py), one for the whole run
+            lines += ["", f"Model-written code ({', '.join(code)}) ran sandboxed: "
+                      f"{b.tasks[code[0]].isolation}."]  # fmt: skip
     if ev.overlap:
         o = ev.overlap
         worst = ", ".join(f"{k} {s.overlapping}/{s.items}" for k, s in o.sets.items())

@@ -218,8 +218,14 @@ class EvaluationConfig(_Strict):
     seq_len: int = Field(default=512, gt=1, le=131_072)
     batch_size: int = Field(default=4, gt=0, le=4096)
     # benchmarks whose data qship fetches offline (pinned): hellaswag, arc_easy,
-    # arc_challenge, piqa, winogrande, lambada_openai, mmlu (or mmlu_<subject>)
+    # arc_challenge, piqa, winogrande, lambada_openai, mmlu (or mmlu_<subject>), and the
+    # generative gsm8k, humaneval, mbpp (docs/GENERATIVE.md)
     tasks: list[str] = Field(default_factory=list)
+    # humaneval / mbpp run model-written code: off (refused, exit 2) unless opted in --
+    # sandboxed (each program in its own network namespace, as nobody, with limits), or
+    # sandboxed-no-netns (also where the OS gives no namespace); HF_ALLOW_CODE_EVAL=1 =
+    # sandboxed
+    code_execution: Literal["off", "sandboxed", "sandboxed-no-netns"] = "off"
     # any other lm-eval task, its data from the Hub (skipped with a reason when offline)
     hub_tasks: list[str] = Field(default_factory=list)
     # the first N items of each task (per subject for mmlu); null = the whole split

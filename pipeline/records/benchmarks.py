@@ -53,6 +53,8 @@ class TaskResult(Record):
     """Items the candidate got right and the reference wrong."""
     reference_cached: bool = False
     """The reference's per-item results came from the stage cache."""
+    isolation: str | None = None
+    """Code tasks: how each model-written program was isolated (namespaces, user, limits)."""
 
     def describe(self) -> str:
         """One line: both scores, the subset, the drop and whether it is beyond noise."""

@@ -108,13 +108,15 @@ class EvalOptions(Record):
     quantize record says)."""
     offload: str = "none"
     """Where the weights live: none (the device), cpu or disk (host memory)."""
+    code_execution: str = "off"
+    """Whether code tasks may run model-written code in the sandbox (evaluation.code_execution)."""
 
     @classmethod
     def of(cls, ev: EvaluationConfig, **overrides: Any) -> EvalOptions:
         return cls(tasks=tuple(ev.tasks), hub_tasks=tuple(ev.hub_tasks), limit=ev.limit,
                    task_batch_size=ev.task_batch_size, batch_size=ev.batch_size,
                    attention=ev.attention, measured_topk=ev.measured_topk,
-                   **overrides)  # fmt: skip
+                   code_execution=ev.code_execution, **overrides)  # fmt: skip
 
 
 class ModelRef(Record):

@@ -163,8 +163,12 @@ def eval_data_stage(
     from transformers import AutoTokenizer
 
     from ..data.benchmarks import prepare
+    from ..data.generative import CODE_TASKS
+    from ..evaluate.sandbox import sandbox_for
 
     with ctx.stage("eval-data") as line:
+        if any(t in CODE_TASKS for t in recipe.evaluation.tasks):  # opt-in, isolation: exit 2
+            sandbox_for(recipe.evaluation.code_execution, where=recipe.path)
         tok = AutoTokenizer.from_pretrained(snapshot.path)
         data, ov = prepare(recipe.evaluation, tok, tokens, cache_dir=ctx.cache_dir,
                            checksums_dir=ctx.checksums_dir, where=recipe.path)  # fmt: skip
@@ -252,7 +256,11 @@ def evaluate_key(snapshot: Snapshot, qkey: str, recipe: Recipe, tokens: TokenSet
             "reference": snapshot.model_hash,
             "candidate": qkey,
             "heldout": tokens.heldout_hash,
-            "evaluation": recipe.evaluation.model_dump(mode="json"),
+            # code_execution only when on: the keys of earlier entries stay as they were
+            "evaluation": recipe.evaluation.model_dump(
+                mode="json",
+                exclude={"code_execution"} if recipe.evaluation.code_execution == "off" else None,
+            ),
             "device": device_kind(ctx.device),
             # only when set: the keys of the cached-mode entries stay as they were
             **({"exact": True} if ctx.exact_kl else {}),
