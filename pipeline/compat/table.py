@@ -28,8 +28,8 @@ class Patch:
 
     @property
     def attr(self) -> str:
-        return self.target.rpartition(".")[2] if "." in self.target.partition(":")[2] \
-            else self.target.partition(":")[2]  # fmt: skip
+        """The replaced attribute's name: the last part after the module's colon."""
+        return self.target.partition(":")[2].rpartition(".")[2]
 
 
 _LC = "llmcompressor"
