@@ -35,6 +35,7 @@ from ..compat.llmcompressor_0_14 import (
 from ..data.tokens import TokenSets
 from ..errors import StageError, UsageError
 from ..io.atomic import atomic_dir
+from ..model.checkpoint import CheckpointInspection
 from ..model.devices import DTYPES, compute_dtype, default_device
 from ..model.files import CONFIG_FILES, TOKENIZER_FILES, hash_model_dir
 from ..model.loading import load_model, weights_in_place
@@ -105,8 +106,8 @@ class _Job:
     resume_dir: Path | None
     peaks: PhasePeaks
     t0: float = field(default_factory=time.perf_counter)
-    model: Any = None
-    plan: Any = None
+    model: Any = None  # _load sets it, _release_model drops it
+    plan: Any = None  # the Plan, once _load built it
     modifiers: list[Any] = field(default_factory=list)
     oneshot_kwargs: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -122,11 +123,8 @@ class _Calibrated:
 
 @dataclass
 class _Checked:
-    bytes: int
-    config_groups: Any
-    format: Any
-    tensors: Any
-    probe_tokens: Any
+    saved: CheckpointInspection
+    probe_tokens: int
     model_hash: str
     rank_peaks: Any
 
@@ -146,7 +144,7 @@ def _quantize(job: _Job, out_dir: Path) -> QuantizedCheckpoint | None:
         record = _record(job, cal, checked)
         record.write(tmp)  # (modes: atomic_dir and the writers follow the umask)
     cal.store.clear()  # the checkpoint is complete: its layers are not needed again
-    log.detail(f"wrote {out_dir} ({checked.bytes / 1e6:.2f} MB) in "
+    log.detail(f"wrote {out_dir} ({checked.saved.bytes / 1e6:.2f} MB) in "
                f"{record.timings.total:.1f} s")  # fmt: skip
     return record.model_copy(update={"path": out_dir})
 
@@ -307,8 +305,7 @@ def _check(job: _Job, tmp: Path) -> _Checked:
         probe_tokens = verify_reload(tmp, probe, job.device, offload=job.offload)
     job.peaks.end_phase("verify")
     _, mhash = hash_model_dir(tmp)
-    return _Checked(insp.bytes, insp.config_groups, insp.format, insp.tensors, probe_tokens,
-                    mhash, rank_peaks)  # fmt: skip
+    return _Checked(insp, probe_tokens, mhash, rank_peaks)
 
 
 def _record(job: _Job, cal: _Calibrated, checked: _Checked) -> QuantizedCheckpoint:
@@ -333,7 +330,7 @@ def _record(job: _Job, cal: _Calibrated, checked: _Checked) -> QuantizedCheckpoi
         layers=got.layers,
         expert_tokens=got.expert_tokens,
         checkpoint=CheckpointSummary(
-            bytes=checked.bytes,
+            bytes=checked.saved.bytes,
             expected_bytes=plan.expected_checkpoint_bytes,
             bits_per_weight_quantized=plan.bits_per_weight.quantized,
             bits_per_weight_linear=plan.bits_per_weight.linear,
@@ -342,9 +339,9 @@ def _record(job: _Job, cal: _Calibrated, checked: _Checked) -> QuantizedCheckpoi
         ),
         checks=PostSaveChecks(
             checked_modules=len(plan.modules),
-            config_groups=checked.config_groups,
-            format=checked.format,
-            tensors=checked.tensors,
+            config_groups=checked.saved.config_groups,
+            format=checked.saved.format,
+            tensors=checked.saved.tensors,
             reload_probe_tokens=checked.probe_tokens,
         ),
         timings=QuantizeTimings(
