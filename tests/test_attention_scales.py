@@ -63,8 +63,10 @@ def test_query_and_per_head_kv_scales_are_calibrated_and_stored_for_vllm(calibra
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
 
+    from pipeline.compat.transformers_5 import attention_function, attn_implementation
+
     src = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    impl = src.config._attn_implementation
+    impl = attn_implementation(src)
     inner, seen = registry[impl], {}
 
     def grab(module, query, *args, **kwargs):
@@ -72,12 +74,8 @@ def test_query_and_per_head_kv_scales_are_calibrated_and_stored_for_vllm(calibra
             seen["amax"] = query.abs().amax(dim=(0, 2, 3))
         return inner(module, query, *args, **kwargs)
 
-    registry._local_mapping[impl] = grab
-    try:
-        with torch.no_grad():
-            src(input_ids=tokens.calib_ids)
-    finally:
-        del registry._local_mapping[impl]
+    with attention_function(impl, grab), torch.no_grad():
+        src(input_ids=tokens.calib_ids)
     want = seen["amax"] / FP8_MAX
     got = sd[f"{a}.q_scale"].float().flatten()
     assert torch.allclose(got, want, rtol=0.01), (got, want)  # stored in bf16
@@ -101,6 +99,43 @@ def test_evaluate_rounds_the_query_as_vllm_does():
     assert _q_scale(mod) == 0.25
     del mod.q_scale
     assert _q_scale(mod) == 1.0  # no calibrated scale: vLLM's 1.0
+
+
+def test_evaluate_runs_the_attention_the_hook_wraps(calibrated, monkeypatch):
+    """A checkpoint with a calibrated query loads with compressed-tensors' hooked attention;
+    evaluate's served attention runs, for each layer, qship's query rounding and then the
+    function that hook wraps (not the hook, which would round the query again), and is
+    undone after."""
+    from compressed_tensors.modeling.attention import HOOKED_ATTENTION_NAME
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
+
+    from pipeline.compat.compressed_tensors_0_19 import hooked_attention_inner
+    from pipeline.compat.transformers_5 import attn_implementation
+    from pipeline.evaluate import numerics
+    from pipeline.evaluate.scoring import forward_logits, kv_modules, kv_quantization
+    from pipeline.model.loading import load_model
+
+    qc, tokens, _ = calibrated
+    model = load_model(qc.path, device="cpu")
+    impl = attn_implementation(model)
+    inner = hooked_attention_inner(impl)
+    assert impl == HOOKED_ATTENTION_NAME and inner != impl
+    assert inner == "eager" or inner in registry
+    rounded: list[int] = []
+    real = numerics.fp8_round
+    monkeypatch.setattr(numerics, "fp8_round", lambda x, s=1.0: rounded.append(1) or real(x, s))
+    hooked, ids = kv_modules(model), tokens.heldout_ids[:2, :32]
+    with kv_quantization(model, True):
+        before, _ = forward_logits(model, ids)
+        assert not rounded  # the hook rounds the query itself
+        with numerics.served_attention(model, "vllm", hooked) as wrapped:
+            served, _ = forward_logits(model, ids)
+        assert wrapped and len(rounded) == len(hooked)
+        after, _ = forward_logits(model, ids)
+    # tiny-llama has one KV head per query head: vLLM's per-KV-head query scale is the
+    # hook's per-head one, so the query rounded once by either gives the same logits
+    assert torch.equal(before, served) and torch.equal(before, after)
+    assert len(rounded) == len(hooked)  # undone: the last pass did not call it
 
 
 def test_an_uncalibrated_attention_scale_is_refused(calibrated, tmp_path):
@@ -137,7 +172,7 @@ def test_attn_head_needs_query_heads_grouped_over_kv_heads():
 
 
 def test_the_patch_is_what_calibrates_the_query(tiny_llama, tmp_path, monkeypatch):
-    """Without qship's patch (patches.hooked_attention_stays_hooked) llm-compressor 0.14
+    """Without qship's patch (compat hooked_attention_stays_hooked) llm-compressor 0.14
     never calls the query hook; with it, it does -- counted on the library's own hook."""
     import llmcompressor.modifiers.quantization.quantization.mixin as mixin
 

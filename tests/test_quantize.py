@@ -329,7 +329,7 @@ def test_awq_grid_search_drops_attention_weights_per_batch():
 
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    from pipeline.quantize.patches import awq_lean_grid_search
+    from pipeline.compat.llmcompressor_0_14 import awq_lean_grid_search
 
     class Parent(torch.nn.Module):
         def __init__(self):
@@ -432,40 +432,6 @@ def test_awq_cache_offload_option(tiny_gemma):
     assert awq_offload(r) == [torch.device("cpu")]
     r.groups[0].options.offload_cache = False
     assert awq_offload(r) == [None]
-
-
-def test_a_patch_refuses_a_library_attribute_it_was_not_written_for(monkeypatch):
-    """Every attribute qship replaces is checked against the pinned library: missing, or
-    taking other parameters (a changed llm-compressor), is exit 1 naming the library and
-    its version -- never a patch that silently does nothing."""
-    import llmcompressor.pipelines.cache as cache_mod
-
-    from pipeline.errors import StageError
-    from pipeline.quantize.patches import patched, without_accelerator
-
-    class Fake:  # what a future llm-compressor might ship instead
-        def pin_memory(self, batch_index, names, non_blocking=False):
-            return None
-
-    Fake.__module__ = "llmcompressor.pipelines.cache"
-    monkeypatch.setattr(cache_mod, "IntermediatesCache", Fake)
-    with pytest.raises(StageError) as e, without_accelerator():
-        pass
-    assert e.value.exit_code == 1 and "llmcompressor 0.14.0.1" in e.value.message
-    assert "pin_memory takes (self, batch_index, names, non_blocking)" in e.value.message
-    del Fake.pin_memory
-    with pytest.raises(StageError, match="has no Fake.pin_memory"), without_accelerator():
-        pass
-
-    def pin_memory(self, batch_index, input_names=None):  # the pinned library's parameters
-        return "pinned"
-
-    Fake.pin_memory = pin_memory  # type: ignore[attr-defined]
-    with without_accelerator():
-        assert Fake().pin_memory(0) is None  # replaced inside the block
-    assert Fake().pin_memory(0) == "pinned"  # restored after it
-    with pytest.raises(StageError, match="expects"), patched(Fake, "pin_memory", None, params=()):
-        pass
 
 
 def test_save_under_cpu_offload_releases_pinned_blocks_per_module(

@@ -70,7 +70,7 @@ def _same_quality(
 def test_two_processes_match_one(setup, tiny_llama):
     """2 gloo ranks (half the calibration samples each, statistics reduced across ranks)
     give a checkpoint of the 1-process checkpoint's quality; rank 0 wrote it, with both
-    ranks' peaks. Before the CPU fixes in patches.without_accelerator the same run gave a
+    ranks' peaks. Before the CPU fixes in compat's without_accelerator the same run gave a
     mean KL of 0.069 against 0.031 (AWQ's in-place smoothing applied once per rank)."""
     work, r, tokens, plain = setup
     qc = launch(tiny_llama, r, work / "two", cache_dir=work / "cache", gpus=2, device="cpu",

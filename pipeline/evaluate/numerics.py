@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..compat.compressed_tensors_0_19 import hooked_attention_inner
+from ..compat.transformers_5 import attention_function, attn_implementation
 from ..model.w4a8 import FP8_MAX, FP8_MIN_SCALE, int4_levels, is_w4a8, w4a8_weight
 
 # The simulation's revision, recorded with every evaluation it computed and part of the
@@ -55,14 +57,6 @@ def _q_scale(module: Any) -> float | torch.Tensor:
     return per_kv.repeat_interleave(s.numel() // kv_heads).view(1, -1, 1, 1)
 
 
-def _unhooked(impl: str) -> str:
-    from compressed_tensors.modeling import attention as ct_attention
-
-    if impl == ct_attention.HOOKED_ATTENTION_NAME:
-        return ct_attention.QuantizedAttentionImpl._original_impl
-    return impl
-
-
 @contextlib.contextmanager
 def served_attention(model: Any, numerics: str, hooked: list[torch.nn.Module]) -> Iterator[bool]:
     """Within the block the model's attention runs with `numerics` ("vllm": FP8 query on
@@ -73,14 +67,12 @@ def served_attention(model: Any, numerics: str, hooked: list[torch.nn.Module]) -
         return
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
 
-    impl = model.config._attn_implementation
+    impl = attn_implementation(model)
     ids = {id(m) for m in hooked}
-    local = registry._local_mapping
-    had, old = impl in local, local.get(impl)
     # a checkpoint with a calibrated query scale loads with compressed-tensors' hooked
     # attention, which would round the query again (per query head, not as vLLM does): the
     # attention it wraps runs here instead
-    inner = _unhooked(impl)
+    inner = hooked_attention_inner(impl)
     base = registry.get(inner) if inner != "eager" else None
 
     def attention(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -89,14 +81,8 @@ def served_attention(model: Any, numerics: str, hooked: list[torch.nn.Module]) -
         fn = base or sys.modules[type(module).__module__].eager_attention_forward
         return fn(module, query, *args, **kwargs)
 
-    local[impl] = attention
-    try:
+    with attention_function(impl, attention):
         yield True
-    finally:
-        if had:
-            local[impl] = old
-        else:
-            local.pop(impl, None)
 
 
 # ---------------------------------------------------------------- quantized Linear layers
@@ -163,9 +149,7 @@ def _w4a8(module: Any) -> None:
 
 
 def _round_inputs(quant: Any) -> Any:
-    def hook(module: Any, inputs: tuple) -> tuple | None:
-        if not module.qship_round_activations:
-            return None  # a share measurement's switch (bench/studies/act_share.py)
+    def hook(module: Any, inputs: tuple) -> tuple:
         return (quant(inputs[0]), *inputs[1:])
 
     return hook
@@ -190,6 +174,5 @@ def serve_linears(model: Any) -> int:
         module.quantization_scheme = scheme.model_copy(update={"input_activations": None})
         module.register_forward_pre_hook(_round_inputs(quant))
         module._qship_served = True
-        module.qship_round_activations = True  # False: weights as served, inputs unrounded
         n += 1
     return n

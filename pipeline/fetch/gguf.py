@@ -193,7 +193,7 @@ def dequantize(path: Path, out: Path, *, name: str | None = None) -> str | None:
         del cfg.quantization_config
     cfg.dtype = DTYPE
     # the file's name (as pinned), not the folder it sits in: the bytes must not depend on it
-    cfg._name_or_path = name or path.name
+    cfg.name_or_path = name or path.name
     cfg.architectures = [type(model).__name__]
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     tensors = {

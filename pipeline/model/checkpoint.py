@@ -247,7 +247,7 @@ def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems
         for pname, _ in mod.named_parameters(recurse=False):
             key = f"{name}.{pname}" if name else pname
             need(key, shapes[key], mod)
-        for bname in getattr(mod, "_buffers", {}):
+        for bname, _ in mod.named_buffers(recurse=False, remove_duplicate=False):
             key = f"{name}.{bname}" if name else bname
             if key in shapes:  # persistent buffers only
                 need(key, shapes[key], mod)

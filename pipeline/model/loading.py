@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..compat.compressed_tensors_0_19 import offload_caches
 from ..errors import UsageError
 from .devices import device_kind
 from .moe import linearize, linearize_meta, loading_linear_experts
@@ -165,14 +166,11 @@ def _pin(model: Any) -> int:
 def pageable_host_copies(model: Any) -> Iterator[Any]:
     """The offloaded weights and buffers held in pageable host memory, in module order (a
     tensor two modules share comes twice unless pinned when it is reached again)."""
-    from compressed_tensors.offload.cache import OffloadCache
-
     for m in model.modules():
-        for cache in (m._parameters, m._buffers):
-            if isinstance(cache, OffloadCache):
-                for t in cache.offloaded_values.values():
-                    if t is not None and t.device.type == "cpu" and not t.is_pinned():
-                        yield t
+        for cache in offload_caches(m):
+            for t in cache.offloaded_values.values():
+                if t is not None and t.device.type == "cpu" and not t.is_pinned():
+                    yield t
 
 
 def weights_in_place(model: Any) -> contextlib.AbstractContextManager[None]:
@@ -186,9 +184,7 @@ def weights_in_place(model: Any) -> contextlib.AbstractContextManager[None]:
 
 
 def offloaded(model: Any) -> bool:
-    from compressed_tensors.offload.cache import OffloadCache
-
-    return any(isinstance(m._parameters, OffloadCache) for m in model.modules())
+    return any(offload_caches(m) for m in model.modules())
 
 
 def _distributed() -> bool:

@@ -26,6 +26,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ..compat.llmcompressor_0_14 import save_mapping_set_on_loaded_model
+from ..compat.transformers_5 import conversion_mapping_restored
+
 
 def fused_experts(model: Any) -> list[tuple[str, Any]]:
     from llmcompressor.modeling.moe.linearize import get_non_linearized_moes
@@ -66,41 +69,12 @@ def loading_linear_experts(path: Path) -> Iterator[bool]:
     if not reads_per_expert(path):
         yield False
         return
-    import transformers.conversion_mapping as cm
     from llmcompressor.modeling.moe.linearize import load_quantizable_moe
     from transformers import AutoModelForCausalLM
 
-    cm.get_checkpoint_conversion_mapping(model_type)  # the table built
-    table, users = cm._checkpoint_conversion_mapping_cache, cm.USER_REGISTERED_MAPPINGS
-    before, registered = table.get(model_type), model_type in users
-    try:
-        with _importable_transformers_modules(), _save_mapping_set_on_loaded_model(), \
-                load_quantizable_moe(AutoModelForCausalLM):  # fmt: skip
-            yield True
-    finally:
-        if before is None:
-            table.pop(model_type, None)
-        else:
-            table[model_type] = before
-        if not registered:
-            users.discard(model_type)
-
-
-@contextlib.contextmanager
-def _save_mapping_set_on_loaded_model() -> Iterator[None]:
-    """load_quantizable_moe sets the save mapping on what from_pretrained returned, which is
-    (model, loading info) when the info is asked for (qship's check that nothing loaded
-    from nothing needs it): set it on the model."""
-    import llmcompressor.modeling.moe.linearize as lin
-    from compressed_tensors.utils import patch_attr
-
-    original = lin.set_save_conversion_mapping
-
-    def on_model(loaded: Any, mappings: Any) -> Any:
-        return original(loaded[0] if isinstance(loaded, tuple) else loaded, mappings)
-
-    with patch_attr(lin, "set_save_conversion_mapping", on_model):
-        yield
+    with conversion_mapping_restored(model_type), _importable_transformers_modules(), \
+            save_mapping_set_on_loaded_model(), load_quantizable_moe(AutoModelForCausalLM):  # fmt: skip
+        yield True
 
 
 def reads_per_expert(path: Path) -> bool:

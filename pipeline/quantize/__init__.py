@@ -3,8 +3,7 @@
 validate.py   the recipe against the model's module tree (exit 2 before any compute)
 plan.py       every Linear -> group, method, scheme; AWQ mappings; expected size
 modifiers.py  the plan as llm-compressor modifiers
-engine.py     load, oneshot, save compressed (complete or absent)
-patches.py    scoped patches of llm-compressor and the routing of its logs
+engine.py     load, calibrate (oneshot), save compressed, check (complete or absent)
 metrics.py    GPTQ error, AWQ loss, time per layer (and the progress bar)
 memory.py     peak memory per phase
 checks.py     the post-save checks (shared validator + plan + reload)

@@ -58,15 +58,14 @@ def autoround_modifier_class() -> Any:
             ]
 
         def start_calibration(self, model: Any) -> None:
-            from llmcompressor.modifiers.autoround import base
             from llmcompressor.utils import targets_embeddings
 
-            from .patches import patched
+            from ..compat.llmcompressor_0_14 import embeddings_stay_tied
 
             found = list(match_named_modules(model, self.resolved_targets, self.ignore))
             if targets_embeddings(model, found):
                 return super().start_calibration(model)
-            with patched(base, "untie_word_embeddings", lambda model: None, params=("model",)):
+            with embeddings_stay_tied():
                 return super().start_calibration(model)
 
         def _postprocess_qparams(self, model: Any, registered: Any) -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from .. import log
+from ..compat.llmcompressor_0_14 import awq_results, observing_calibration
 from ..records.checkpoint import AwqMappingResult, LayerTime
 from ..records.plan import Plan
-from .patches import patched
 from .resume import LayerStore
 
 
@@ -68,7 +68,7 @@ def _of_layer(layer: str, got: Captured) -> dict[str, Any]:
 
     p = layer + "."
     awq = [_awq_result(m) for mod in active_session().lifecycle.recipe.modifiers
-           if isinstance(mod, AWQModifier) for m in mod._error_metrics]  # fmt: skip
+           if isinstance(mod, AWQModifier) for m in awq_results(mod)]  # fmt: skip
     return {
         "gptq": {k: v for k, v in got.gptq.items() if k.startswith(p)},
         "awq": [a.to_json() for a in awq if (a.smooth or "").startswith(p)],
@@ -85,10 +85,6 @@ def capture_metrics(
 ) -> Iterator[Captured]:
     """`store`: each finished layer is saved there; a layer it restored is not calibrated
     (its epoch end is skipped) and keeps what was measured when it was."""
-    from llmcompressor.core import LifecycleCallbacks
-    from llmcompressor.modifiers.transform.awq import AWQModifier
-    from llmcompressor.utils.metric_logging import CompressionLogger
-
     names = {id(m): n for n, m in model.named_modules()}
     layers = set(plan.decoder_layers)
     got = Captured()
@@ -98,23 +94,13 @@ def capture_metrics(
     t_last = [time.perf_counter()]
     bar = log.Progress("calibrate", len(plan.decoder_layers), unit="layers")
 
-    orig_set = CompressionLogger.set_results
+    def gptq_loss(module: Any, loss: float) -> None:
+        got.gptq[names.get(id(module), "?")] = loss
 
-    def set_results(self, name=None, loss=None):
-        if loss is not None:
-            got.gptq[names.get(id(self.module), "?")] = float(loss)
-        return orig_set(self, name=name, loss=loss)
+    def awq_done(metrics: list[dict[str, Any]]) -> None:
+        got.awq.extend(_awq_result(m) for m in metrics)
 
-    orig_log = AWQModifier._log_error_metrics
-
-    def log_error_metrics(self):
-        got.awq.extend(_awq_result(m) for m in self._error_metrics)
-        return orig_log(self)
-
-    orig_epoch = LifecycleCallbacks.__dict__["sequential_epoch_end"]
-
-    def epoch_end(cls, modules, **kwargs):
-        modules = list(modules)
+    def epoch_end(modules: list[Any], run: Callable[[], Any]) -> Any:
         layer = next((names.get(id(m)) for m in modules if names.get(id(m)) in layers), None)
         out = None
         if layer is not None and store is not None and layer in store.restored:
@@ -123,7 +109,7 @@ def capture_metrics(
             got.awq.extend(AwqMappingResult.model_validate(a) for a in m["awq"])
             got.expert_tokens.update(m["expert_tokens"])
         else:
-            out = orig_epoch.__func__(cls, modules, **kwargs)
+            out = run()
             if layer is not None and store is not None:
                 store.save(layer, model.get_submodule(layer), _of_layer(layer, got))
         now = time.perf_counter()
@@ -141,17 +127,7 @@ def capture_metrics(
             on_layer(layer, n)
         return out
 
-    with (
-        patched(CompressionLogger, "set_results", set_results, params=("self", "name", "loss")),
-        patched(AWQModifier, "_log_error_metrics", log_error_metrics, params=("self",)),
-        patched(
-            LifecycleCallbacks,
-            "sequential_epoch_end",
-            classmethod(epoch_end),
-            params=("modules", "kwargs"),
-        ),
-        bar,
-    ):
+    with observing_calibration(gptq_loss, awq_done, epoch_end), bar:
         try:
             yield got
         finally:

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from .. import log
+from ..compat.llmcompressor_0_14 import subgraph_forward_wrapped
 from ..io.atomic import atomic_write_text
 from ..io.hashing import sha256_file
 from ..records.plan import Plan
 from . import ranks
-from .patches import patched
 
 MANIFEST = "manifest.json"
 
@@ -146,23 +146,21 @@ def restoring(model: Any, store: LayerStore) -> Iterator[None]:
         yield
         return
     from llmcompressor.modifiers.utils.hooks import HooksMixin
-    from llmcompressor.pipelines.sequential.helpers import Subgraph
 
     names = {id(m): n for n, m in model.named_modules()}
     which: dict[int, str | None] = {}
-    forward = Subgraph.forward
 
-    def subgraph_forward(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if id(self) not in which:
-            direct = (names.get(id(m)) for m in self.submodules(model, recurse=False))
-            which[id(self)] = next((n for n in direct if n and store.is_restorable(n)), None)
-        layer = which[id(self)]
+    def subgraph_forward(subgraph: Any, model: Any, run: Any) -> Any:
+        if id(subgraph) not in which:
+            direct = (names.get(id(m)) for m in subgraph.submodules(model, recurse=False))
+            which[id(subgraph)] = next((n for n in direct if n and store.is_restorable(n)), None)
+        layer = which[id(subgraph)]
         if layer is None:
-            return forward(self, model, *args, **kwargs)
+            return run()
         if layer not in store.restored:
             store.measured[layer] = store.restore(layer, model.get_submodule(layer))
         with HooksMixin.disable_hooks():
-            return forward(self, model, *args, **kwargs)
+            return run()
 
-    with patched(Subgraph, "forward", subgraph_forward, params=("self", "args", "kwargs")):
+    with subgraph_forward_wrapped(subgraph_forward):
         yield

@@ -10,25 +10,20 @@ before (the weight is written as q * s); only the choice of q and the feedback c
 Measured with this rounding: mean KL -9.4 % on Gemma, -11.9 % on Qwen (RESULTS.md).
 
 llm-compressor 0.14 quantizes modules in batches of one weight scheme and hands the block
-update neither module nor activation scheme, so three scoped patches do it: batches are
-split into W4A8 and other modules, `prepare_batch` notes which kind is running, and the
-block update rounds to the served values for W4A8 batches and is the library's own (its
-Triton kernel on a GPU) for the rest.
+update neither module nor activation scheme, so three scoped patches do it
+(compat.llmcompressor_0_14.gptq_block_update_for): batches are split into W4A8 and other
+modules, and the block update rounds to the served values for W4A8 batches and is the
+library's own (its Triton kernel on a GPU) for the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 
+from ..compat.llmcompressor_0_14 import gptq_block_update_for
 from ..model.w4a8 import STORED_DTYPE, channel_factor, nearest_served, served_by_w4a8
-from .patches import check_replaceable, patched
-
-_BLOCK_PARAMS = ("W1", "Hinv1", "Q1", "Err1", "losses1", "scale", "zero_point",
-                 "global_scale", "g_idx", "quant_args", "i1")  # fmt: skip
 
 
 def served_block_update(W1: torch.Tensor, Hinv1: torch.Tensor, Q1: torch.Tensor,
@@ -50,52 +45,7 @@ def served_block_update(W1: torch.Tensor, Hinv1: torch.Tensor, Q1: torch.Tensor,
         W1[:, :, i:] -= error.unsqueeze(-1) * Hinv1[:, i, i:].unsqueeze(1)
 
 
-@contextlib.contextmanager
-def gptq_rounds_to_served_w4a8() -> Iterator[list[int]]:
+def gptq_rounds_to_served_w4a8() -> contextlib.AbstractContextManager[list[int]]:
     """Inside the block, GPTQ rounds W4A8 Linears to their served values (module
     docstring). Yields a one-item list: how many modules it rounded so, once the block ends."""
-    from llmcompressor.modifiers.gptq import base
-    from llmcompressor.modifiers.gptq import gptq_quantize as gq
-
-    assign_params = ("module_list", "batched_quantization", "block_size")
-    prepare_params = ("batch", "batch_qparams", "hessians_by_module", "num_samples_by_module")
-    assign = check_replaceable(base, "assign_batches", assign_params)
-    prepare = check_replaceable(base, "prepare_batch", prepare_params)
-    update = check_replaceable(gq, "gptq_block_update", _BLOCK_PARAMS)
-    window = check_replaceable(gq, "column_scale_window", ("scale", "zero_point",
-                               "global_scale", "g_idx", "quant_args", "num_rows", "i1", "i2"))  # fmt: skip
-    serving = [False]
-    rounded = [0]
-
-    def assign_batches(module_list: Any, batched_quantization: Any, block_size: int) -> Any:
-        out = []
-        for batch in assign(module_list, batched_quantization, block_size):
-            for kind in (True, False):
-                part = [m for m in batch if served_by_w4a8(m) is kind]
-                out += [part] if part else []
-        return out
-
-    def prepare_batch(batch: Any, batch_qparams: Any, hessians_by_module: Any,
-                      num_samples_by_module: Any) -> Any:  # fmt: skip
-        serving[0] = served_by_w4a8(batch[0])
-        rounded[0] += len(batch) if serving[0] else 0
-        return prepare(batch, batch_qparams, hessians_by_module, num_samples_by_module)
-
-    def block_update(W1: Any, Hinv1: Any, Q1: Any, Err1: Any, losses1: Any, *, scale: Any,
-                     zero_point: Any, global_scale: Any, g_idx: Any, quant_args: Any,
-                     i1: int) -> None:  # fmt: skip
-        if not serving[0]:
-            return update(W1, Hinv1, Q1, Err1, losses1, scale=scale, zero_point=zero_point,
-                          global_scale=global_scale, g_idx=g_idx, quant_args=quant_args,
-                          i1=i1)  # fmt: skip
-        eff, _ = window(scale, zero_point, global_scale, g_idx, quant_args,
-                        num_rows=W1.shape[-2], i1=i1, i2=i1 + W1.shape[-1])  # fmt: skip
-        served_block_update(W1, Hinv1, Q1, Err1, losses1, scale=scale, eff=eff)
-        return None
-
-    with (
-        patched(base, "assign_batches", assign_batches, params=assign_params),
-        patched(base, "prepare_batch", prepare_batch, params=prepare_params),
-        patched(gq, "gptq_block_update", block_update, params=_BLOCK_PARAMS),
-    ):
-        yield rounded
+    return gptq_block_update_for(served_by_w4a8, served_block_update)
