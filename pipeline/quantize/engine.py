@@ -45,6 +45,7 @@ from .metrics import capture_metrics
 from .modifiers import build_modifiers
 from .patches import (
     awq_lean_grid_search,
+    device_map_only_when_offloaded,
     hooked_attention_stays_hooked,
     library_logs_to_stderr,
     pinned_cache_released_per_module,
@@ -208,12 +209,12 @@ def _quantize(
     model.to(DTYPES[recipe.dtype].torch())  # computed in float32 on the CPU (devices.py)
     released = pinned_cache_released_per_module if offload == "cpu" else contextlib.nullcontext
     if not ranks.is_writer():  # compressing is collective; rank 0 alone writes the files
-        with released():
+        with released(), device_map_only_when_offloaded():
             model.save_pretrained(spill / "not-written", save_compressed=True)
         ranks.gather_peaks(peaks.result())
         return None
     with atomic_dir(out_dir) as tmp:
-        with released():
+        with released(), device_map_only_when_offloaded():
             model.save_pretrained(tmp, save_compressed=True)
         for f in (*TOKENIZER_FILES, *CONFIG_FILES[1:]):
             if (model_dir / f).is_file():

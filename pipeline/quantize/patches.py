@@ -235,6 +235,35 @@ def pinned_cache_released_per_module() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def device_map_only_when_offloaded() -> Iterator[None]:
+    """llm-compressor 0.14's pipelines put every module under compressed-tensors' offloading,
+    with its weights kept where they are (on the GPU, or in host memory on a CPU run), and
+    its compressed save converts that to accelerate's (`to_accelerate`), writing an
+    `hf_device_map` that names each such module's weight device -- "cpu" on a CPU run -- and
+    "cpu" for any module without offloading (the activation observers on a GPU). So on a
+    model that is not offloaded at all transformers warned "Attempting to save a model with
+    offloaded modules" and saved it as an offloaded one (weight renames reverted shard by
+    shard). Inside the block the conversion runs as before, but a model none of whose
+    weights live away from the device it computes on (no --offload cpu|disk) keeps no
+    device map: transformers saves it as the model on one device it is."""
+    import llmcompressor.transformers.compression.compressed_tensors_utils as ctu
+
+    from ..model.loading import weights_elsewhere
+
+    original = check_replaceable(ctu, "to_accelerate", ("model",))
+
+    def to_accelerate(model: Any) -> dict[str, str]:
+        elsewhere = weights_elsewhere(model)
+        homes = original(model)
+        if not elsewhere and hasattr(model, "hf_device_map"):
+            del model.hf_device_map
+        return homes
+
+    with patched(ctu, "to_accelerate", to_accelerate, params=("model",)):
+        yield
+
+
 def _first_output(out):
     return out[0] if isinstance(out, tuple) else out
 
