@@ -158,6 +158,38 @@ def test_gguf_config_is_the_librarys_without_parsing_the_vocabulary(
     assert opened == []
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_gguf_config_of_byte_level_families(tmp_path, arch):
+    """A BPE GGUF (merges, no vocab_size key) reads as the library reads it; gpt2's config
+    mapping has no `vocab_size` key, so its token count is the library's own fallback."""
+    import gguf
+    from transformers import AutoConfig
+
+    from pipeline.fetch.gguf_config import gguf_config
+
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("x")
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_block_count(1)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_eps(1e-5)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(37)])
+    w.add_token_merges(["t 1", "t 2"])
+    w.add_tensor("token_embd.weight", np.zeros((37, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    expected = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name).to_dict()
+    assert gguf_config(path).to_dict() == expected and expected["vocab_size"] == 37
+
+
 def test_gguf_tokenizer_builds_from_tiny_vocab(tiny_gguf):
     import gguf
 
