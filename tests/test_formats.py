@@ -245,6 +245,28 @@ def test_each_format_is_written_checked_and_reloads(written, name):
     assert ("the int4 values of its 28 W4A8 Linears were chosen" in card) == bool(rounded)
 
 
+@pytest.mark.parametrize("name", ["fp8-dynamic", "w8a8-int8-sq"])
+def test_a_model_on_one_device_is_not_saved_as_offloaded(tmp_path, tiny_llama, name):
+    """llm-compressor's save gave every module of a model held whole on one device the
+    device "cpu" in `hf_device_map`, and transformers warned "Attempting to save a model
+    with offloaded modules" (patches.device_map_only_when_offloaded)."""
+    import warnings
+
+    from transformers import AutoTokenizer
+
+    from pipeline.data.tokens import build_token_sets
+    from pipeline.quantize import quantize
+
+    r = load_recipe(small_recipe(tmp_path, name))
+    tokens = build_token_sets(AutoTokenizer.from_pretrained(tiny_llama), r.calibration,
+                              r.evaluation, cache_dir=tmp_path / "c")  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        qc = quantize(tiny_llama, r, tmp_path / "q", tokens=tokens, device="cpu")
+    assert qc is not None and qc.offload == "none"
+    assert [str(w.message) for w in seen if "offloaded modules" in str(w.message)] == []
+
+
 def test_quality_orders_as_the_bits_say(written):
     kl = {n: json.loads((written[n][1] / "eval.json").read_text())["metrics"]
           ["kl"]["mean"] for n in NEW}  # fmt: skip

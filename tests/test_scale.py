@@ -109,6 +109,22 @@ def test_plan_of_an_offloaded_model(tiny_gemma, tmp_path):
         assert build_plan(m, r) == plain
 
 
+def test_weights_elsewhere_means_offloaded_away_from_the_compute_device(tiny_llama, tmp_path):
+    """llm-compressor's pipelines put a model under offloading with its weights where they
+    are (`offloaded` then says yes): not offloaded in the sense the save's device map
+    means, unlike --offload disk."""
+    from compressed_tensors.offload import set_onload_device
+
+    from pipeline.model.loading import offloaded, weights_elsewhere
+
+    m = load_model(tiny_llama, device="cpu")
+    assert not weights_elsewhere(m)
+    set_onload_device(m, "cpu")  # what the sequential and data-free pipelines do
+    assert offloaded(m) and not weights_elsewhere(m)
+    d = load_model(tiny_llama, device="cpu", offload="disk", offload_dir=tmp_path / "w")
+    assert weights_elsewhere(d)
+
+
 @pytest.mark.parametrize("fault", ["kill", "raise"])
 def test_failed_rank_is_named_and_leaves_nothing(setup, tiny_llama, tmp_path, monkeypatch, fault):
     """Rank 1 killed (SIGKILL) or raising once layer 1 is done: torchrun stops rank 0

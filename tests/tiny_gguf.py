@@ -32,7 +32,9 @@ def tiny_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_tiny_llama_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_llama_gguf(path: Path, seed: int = 0, *, states_vocab: bool = True) -> Path:
+    """`states_vocab` False: no `llama.vocab_size` key, as in Gemma 3 270M's GGUF (the config
+    takes the token count)."""
     import gguf
 
     tokens, scores, types = tiny_vocab()
@@ -49,7 +51,8 @@ def write_tiny_llama_gguf(path: Path, seed: int = 0) -> Path:
     w.add_rope_dimension_count(HIDDEN // HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
+    if states_vocab:
+        w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")

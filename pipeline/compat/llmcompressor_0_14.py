@@ -289,6 +289,32 @@ def save_mapping_set_on_loaded_model() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def device_map_only_when_offloaded(offloaded: Callable[[Any], bool]) -> Iterator[None]:
+    """llm-compressor 0.14's pipelines put every module under compressed-tensors' offloading,
+    with its weights kept where they are, and its compressed save converts that to
+    accelerate's (`to_accelerate`), writing an `hf_device_map` that names each module's
+    weight device -- "cpu" on a CPU run, and "cpu" for any module without offloading (the
+    activation observers on a GPU). So on a model that is not offloaded at all transformers
+    warned "Attempting to save a model with offloaded modules" and saved it as an offloaded
+    one (weight renames reverted shard by shard). Inside the block the conversion runs as
+    before, but a model for which `offloaded(model)` is false (no weight lives away from the
+    device it computes on) keeps no device map: transformers saves it as the model on one
+    device it is."""
+    target = "llmcompressor.transformers.compression.compressed_tensors_utils:to_accelerate"
+    library_convert = original(target)
+
+    def to_accelerate(model: Any) -> Any:
+        elsewhere = offloaded(model)
+        homes = library_convert(model)
+        if not elsewhere and hasattr(model, "hf_device_map"):
+            del model.hf_device_map
+        return homes
+
+    with patched(target, to_accelerate):
+        yield
+
+
 # ------------------------------------------------------------------ llm-compressor's logs
 
 

@@ -227,6 +227,15 @@ PATCHES: tuple[Patch, ...] = (
         "llm-compressor leaves its save mapping registered: restored after the load",
         "tests/test_moe_loading.py::test_direct_load_equals_split_after_load_and_restores_the_table",
     ),
+    # -- the save of a model on one device (llmcompressor_0_14.device_map_only_when_offloaded)
+    Patch(
+        f"{_LC}.transformers.compression.compressed_tensors_utils:to_accelerate",
+        "replace",
+        ("model",),
+        "writes an hf_device_map of 'cpu' entries for a model that is not offloaded: "
+        "transformers warned 'Attempting to save a model with offloaded modules'",
+        "tests/test_formats.py::test_a_model_on_one_device_is_not_saved_as_offloaded",
+    ),
     # -- the save under --offload cpu (compressed_tensors_0_19.compress_module_then)
     Patch(
         "compressed_tensors.compressors.model_compressors.model_compressor:compress_module",

@@ -111,9 +111,10 @@ def read_config(source: str | Path, *, cache_dir: Path) -> Any:
             check_config_bounds(config.to_dict(), where=f"{src.text}/config.json")
             return config
         from .gguf import gguf_path
+        from .gguf_config import gguf_config
 
         path, _, _ = gguf_path(src, Path(cache_dir))
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        return gguf_config(path)
     except UsageError:
         raise
     except (OSError, ValueError, KeyError) as e:

@@ -135,8 +135,14 @@ def _importable_transformers_modules() -> Iterator[None]:
 
 
 def linearize_meta(model: Any) -> int:
-    """The same on a meta-device model: the module structure only (nothing to copy)."""
+    """The same on a meta-device model: the module structure only (nothing to copy). Fused
+    experts hold every expert in one 3-D parameter: a model without one has none, and the
+    plan of a dense model does not import llm-compressor's registry (1.5 s of the recipe
+    stage on 2 cores)."""
     import torch
+
+    if not any(p.dim() >= 3 for p in model.parameters()):
+        return 0
     from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 
     found = fused_experts(model)

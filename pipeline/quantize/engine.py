@@ -27,6 +27,7 @@ import torch
 from .. import log
 from ..compat.llmcompressor_0_14 import (
     awq_lean_grid_search,
+    device_map_only_when_offloaded,
     hooked_attention_stays_hooked,
     library_logs_to_stderr,
     rank_local_device,
@@ -38,7 +39,7 @@ from ..io.atomic import atomic_dir
 from ..model.checkpoint import CheckpointInspection
 from ..model.devices import DTYPES, compute_dtype, default_device
 from ..model.files import CONFIG_FILES, TOKENIZER_FILES, hash_model_dir
-from ..model.loading import load_model, weights_in_place
+from ..model.loading import load_model, weights_elsewhere, weights_in_place
 from ..recipe import Recipe
 from ..records.checkpoint import (
     CheckpointSummary,
@@ -269,7 +270,8 @@ def _save(job: _Job, folder: Path) -> None:
     t2 = time.perf_counter()
     job.model.to(DTYPES[job.recipe.dtype].torch())  # computed in float32 on the CPU (devices.py)
     cpu = job.offload == "cpu"
-    with pinned_cache_released_per_module() if cpu else contextlib.nullcontext():
+    released = pinned_cache_released_per_module() if cpu else contextlib.nullcontext()
+    with released, device_map_only_when_offloaded(weights_elsewhere):
         job.model.save_pretrained(folder, save_compressed=True)
     job.seconds["save"] = time.perf_counter() - t2
 
