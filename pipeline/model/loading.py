@@ -191,13 +191,12 @@ def weights_elsewhere(model: Any) -> bool:
     """Whether any module keeps its weights away from the device it computes on (offloaded
     to host memory or disk). llm-compressor's pipelines put every module under offloading
     with its weights where they are, which `offloaded` counts and this does not."""
-    from compressed_tensors.offload.cache import OffloadCache
     from compressed_tensors.offload.convert.helpers import norm_device
 
     return any(
-        isinstance(c := m._parameters, OffloadCache)
-        and norm_device(c.offload_device) != norm_device(c.onload_device)
+        norm_device(c.offload_device) != norm_device(c.onload_device)
         for m in model.modules()
+        for c in offload_caches(m)
     )
 
 
