@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from bench.reround import rerounded
 from tests.cli_run import qship
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,34 +100,6 @@ def test_verify_serve_passes_then_catches_altered_weights(served_artifact, tmp_p
     assert rc == GATE_FAILED, err
     assert "served model differs from the measured one" in err["message"]
     assert err["result"]["served"]["served_vs_measured"]["kl_mean"] > 0.03
-
-
-def rerounded(art: Path, source: Path, dest: Path, near: float = 0.03) -> Path:
-    """A copy of `art` whose MLP int4 weights (symmetric, same scales) take the other
-    neighbouring level wherever the source weight lies within `near` of the midpoint between
-    two levels, and SHA256SUMS re-summed: another round-to-nearest of the same weights, about
-    as close to them (the same quality), serving other numbers than were measured."""
-    import shutil
-
-    from compressed_tensors.compressors.pack_quantized import pack_to_int32, unpack_from_int32
-    from safetensors.torch import load_file, save_file
-
-    bad = shutil.copytree(art, dest)
-    src, w = load_file(str(source / "model.safetensors")), load_file(str(bad / "model.safetensors"))
-    for name in [k.removesuffix(".weight_packed") for k in w if k.endswith(".weight_packed")
-                 and ".mlp." in k]:  # fmt: skip
-        shape = torch.Size(w[f"{name}.weight_shape"].tolist())
-        q = unpack_from_int32(w[f"{name}.weight_packed"], 4, shape).float()
-        scale = w[f"{name}.weight_scale"].float()
-        x = src[f"{name}.weight"].float() / scale.repeat_interleave(shape[1] // scale.shape[1], 1)
-        low = x.floor()
-        other = 2 * low + 1 - q  # floor <-> floor + 1
-        flip = ((x - low - 0.5).abs() < near) & ((q == low) | (q == low + 1)) \
-            & (other >= -8) & (other <= 7)  # fmt: skip
-        w[f"{name}.weight_packed"] = pack_to_int32(torch.where(flip, other, q).to(torch.int8), 4)
-    save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    _resum(bad)
-    return bad
 
 
 @pytest.fixture(scope="module")
