@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UsageError
 from .atomic import atomic_write_text
 from .hashing import FileDigest, Manifest, compare_digests, hash_files, list_files
 
@@ -30,11 +30,31 @@ SHIPPED = Path(__file__).resolve().parent.parent / "checksums"
 
 
 def checksums_dir(explicit: Path | None = None) -> Path:
-    """The pin folder: `--checksums DIR`, else $QSHIP_CHECKSUMS, else ./checksums."""
-    if explicit is not None:
-        return Path(explicit)
+    """The pin folder: `--checksums DIR`, else $QSHIP_CHECKSUMS, else ./checksums. A folder
+    the user named must exist and be a folder (exit 2): a typo there would otherwise read
+    as "no pin" and take an altered model. The default ./checksums may be absent."""
     env = os.environ.get(ENV)
-    return Path(env) if env else Path("checksums")
+    named = ("--checksums", Path(explicit)) if explicit is not None else (
+        (ENV, Path(env)) if env else None)  # fmt: skip
+    if named is None:
+        folder = Path("checksums")
+        if folder.exists() and not folder.is_dir():
+            raise _not_a_folder("./checksums (the default pin folder)", folder)
+        return folder
+    where, folder = named
+    if not folder.is_dir():
+        raise _not_a_folder(where, folder)
+    return folder
+
+
+def _not_a_folder(where: str, folder: Path) -> UsageError:
+    what = "is a file, not a folder" if folder.exists() else "does not exist"
+    return UsageError(
+        f"the pin folder {folder} named by {where} {what}",
+        path=str(folder),
+        hint=f"create it (mkdir -p {folder}) or correct {where}: pins are looked up and "
+        "written (--pin) there",
+    )
 
 
 def search_dirs(first: Path) -> list[Path]:
