@@ -294,6 +294,41 @@ def test_yaml_syntax_and_missing_file(tmp_path):
         load_recipe(tmp_path / "nope.yaml")
 
 
+@pytest.mark.parametrize(
+    "text, line, says",
+    [
+        (b"name: a\ndtype: bfloat16\nname: b\n", 3, "written twice"),
+        (b"name: a\ndescription: caf\xe9\n", 2, "not UTF-8"),
+        (b"name: " + b"[" * 5000 + b"]" * 5000 + b"\n", 1, "nested deeper"),
+        (b"a: &x [1]\n" + b"".join(b"k%d: *x\n" % i for i in range(100)), 66, "alias"),
+    ],
+    ids=["duplicate-key", "latin-1", "deep-nesting", "aliases"],
+)
+def test_recipe_file_refused_with_its_line(tmp_path, capsys, text, line, says):
+    """A duplicated key (the last value silently won), a file that is not UTF-8
+    (UnicodeDecodeError, exit 1), nesting that exhausts the parser's stack (RecursionError)
+    and alias bombs: exit 2 naming the file and the line."""
+    p = tmp_path / "r.yaml"
+    p.write_bytes(text)
+    with pytest.raises(RecipeError) as ei:
+        load_recipe(p)
+    assert ei.value.path == str(p) and says in ei.value.message, ei.value.message
+    assert f"line {line}:" in ei.value.message, ei.value.message
+    capsys.readouterr()
+    rc = main(["plan", "--model", "unused", "--recipe", str(p), "--json"])
+    err = json.loads(capsys.readouterr().out)
+    assert rc == 2 and err["path"] == str(p), err
+
+
+def test_recipe_file_size_is_bounded(tmp_path):
+    from pipeline.recipe.loading import MAX_BYTES
+
+    p = tmp_path / "big.yaml"
+    p.write_text("name: a\ndescription: " + "x" * MAX_BYTES + "\n")
+    with pytest.raises(RecipeError, match="bytes, more than"):
+        load_recipe(p)
+
+
 def test_cli_usage_errors_exit_2(capsys):
     """typer's own (vendored click) exceptions map to the contract's exit 2, not 1."""
     from tests.cli_run import qship
