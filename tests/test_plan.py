@@ -202,3 +202,22 @@ def test_resource_estimate_and_the_fit_check(capsys, tiny_llama, tmp_path, monke
     assert "--device cpu" in err["hint"]
     run = _json.loads((tmp_path / "art.report" / "run.json").read_text())
     assert not {"fetch", "quantize"} & {s["stage"] for s in run["stages"]}
+
+
+def test_long_context_beyond_the_model_is_refused_at_plan_time(tmp_path, tiny_llama, capsys):
+    """A `serve.long_context` length beyond the model's context (tiny Llama: 512 tokens)
+    used to be caught only after quantize and evaluate: now `qship plan` exits 2 naming the
+    length's field; "max" and lengths within the context plan."""
+    import yaml
+
+    d = yaml.safe_load((R / "fp8-dynamic.yaml").read_text())
+    d["serve"] = {"engine": "transformers", "long_context": {"lengths": [256, 4096, "max"]}}
+    p = tmp_path / "lc.yaml"
+    p.write_text(yaml.safe_dump(d))
+    code = main(["plan", "--model", str(tiny_llama), "--recipe", str(p), "--json"])
+    err = json.loads(capsys.readouterr().out)
+    assert code == 2 and "`serve.long_context.lengths[1]`" in err["message"], err
+    assert "4096" in err["message"] and "512" in err["message"], err
+    d["serve"]["long_context"]["lengths"] = [256, "max"]
+    p.write_text(yaml.safe_dump(d))
+    assert main(["plan", "--model", str(tiny_llama), "--recipe", str(p), "--json"]) == 0

@@ -170,6 +170,42 @@ def test_schema_errors_name_file_field_fix(tmp_path, mutate, field, fix):
     assert fix in (e.hint or "") + e.message, str(e)
 
 
+_NAN, _INF = float("nan"), float("inf")
+_WORKLOAD = {"name": "w", "prompt_len": 8, "output_len": 8, "concurrency": 1}
+
+
+def _serve_gate(field: str, value: float) -> dict:
+    return {"workloads": [_WORKLOAD], "gates": {field: {"w": value}}}
+
+
+@pytest.mark.parametrize(
+    "mutate, field, says",
+    [
+        (lambda d: d["gates"].update(top1_min=_NAN), "gates.top1_min", "finite"),
+        (lambda d: d["gates"].update(kl_mean_max=_INF), "gates.kl_mean_max", "finite"),
+        (lambda d: d["gates"].update(kl_p99_max=-0.1), "gates.kl_p99_max", "bound"),
+        (lambda d: d["gates"].update(top1_min=1.5), "gates.top1_min", "bound"),
+        (lambda d: d["gates"].update(ppl_ratio_max=0), "gates.ppl_ratio_max", "bound"),
+        (lambda d: d.update(serve=_serve_gate("min_speedup", -1.2)),
+         "serve.gates.min_speedup.w", "bound"),
+        (lambda d: d.update(serve=_serve_gate("max_ttft_ms", _NAN)),
+         "serve.gates.max_ttft_ms.w", "finite"),
+        (lambda d: d.update(serve={"max_kl": _INF}), "serve.max_kl", "finite"),
+        (lambda d: d["evaluation"].update(max_overlap=_NAN), "evaluation.max_overlap", "finite"),
+    ],
+)  # fmt: skip
+def test_every_number_is_finite_and_in_range(tmp_path, mutate, field, says):
+    """NaN passes no comparison (a NaN limit used to be accepted; the run computed, then
+    failed on "limit <= nan"), and a limit out of its range can never be met: exit 2 at
+    load time naming the field."""
+    d = _base()
+    mutate(d)
+    with pytest.raises(RecipeError) as ei:
+        load_recipe(_write(tmp_path, d))
+    assert f"`{field}`" in ei.value.message, ei.value.message
+    assert says in (ei.value.hint or ""), str(ei.value)
+
+
 def test_unknown_key_exits_2_via_cli(tmp_path, tiny_gemma):
     d = _base()
     d["gates"]["kl_mean"] = 0.1  # misspelt gate

@@ -108,8 +108,17 @@ def _check_w4a8(m: ModulePlan, recipe: Recipe, gi: int, sm: int) -> None:
 
 
 def check_workloads(recipe: Recipe, max_positions: int | None) -> None:
-    """Exit 2 for a served-performance workload the model cannot serve: prompt + output
-    beyond its context (config.json max_position_embeddings)."""
+    """Exit 2 for a served-performance workload or a long-context length the model cannot
+    serve: beyond its context (config.json max_position_embeddings), before any compute."""
+    lc = recipe.serve.long_context if recipe.serve is not None else None
+    long = lc.beyond(max_positions) if lc is not None else None
+    if long is not None:
+        raise RecipeError(
+            f"field `serve.long_context.lengths[{long[0]}]`: a {long[1]}-token trial is longer "
+            f"than the model's context of {max_positions} tokens",
+            path=recipe.path,
+            hint=f"list lengths up to {max_positions}, or 'max' for the model's longest",
+        )
     if recipe.serve is None or "workloads" not in recipe.serve.model_fields_set:
         return  # the default workloads are checked when performance is measured
     bad = recipe.serve.overlong(max_positions)

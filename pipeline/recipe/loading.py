@@ -67,6 +67,10 @@ def _fix_for(err: Any) -> str:
     if t in ("less_than_equal", "less_than"):
         return ("use a value within the bound: it is set far above what a real run needs, so "
                 "that a typo cannot exhaust memory or run for days")  # fmt: skip
+    if t == "finite_number":
+        return "write a finite number (NaN and infinity pass no comparison)"
+    if t in ("greater_than", "greater_than_equal"):
+        return "correct the value to one within the bound (outside it a limit means nothing)"
     if t.startswith("literal_error"):
         return f"use one of the allowed values ({err.get('ctx', {}).get('expected', '')})"
     return "correct the value as the message says"

@@ -241,7 +241,7 @@ class EvaluationConfig(_Strict):
 
 class TaskGate(_Strict):
     # the largest accuracy drop allowed, percentage points (reference - candidate)
-    max_drop: float
+    max_drop: float = Field(ge=0, le=100)
 
     @model_validator(mode="before")
     @classmethod
@@ -255,10 +255,11 @@ class TaskGate(_Strict):
 
 
 class Gates(_Strict):
-    kl_mean_max: float | None = None
-    kl_p99_max: float | None = None
-    top1_min: float | None = None
-    ppl_ratio_max: float | None = None
+    # KL in nats (>= 0), top-1 agreement a share, perplexity ratio candidate / reference
+    kl_mean_max: float | None = Field(default=None, ge=0)
+    kl_p99_max: float | None = Field(default=None, ge=0)
+    top1_min: float | None = Field(default=None, ge=0, le=1)
+    ppl_ratio_max: float | None = Field(default=None, gt=0)
     tasks: dict[str, TaskGate] = Field(default_factory=dict)
 
 
