@@ -200,3 +200,12 @@ def benchmark_data_dir(qship_test_cache, repo_root) -> Path:
     from pipeline.data.benchmarks import benchmark_data
 
     return benchmark_data(qship_test_cache, SHIPPED_PINS)
+
+
+@pytest.fixture
+def cuda_here(monkeypatch):
+    """CUDA reported present (a test that simulates a GPU by its free memory on this CPU
+    box): `--device cuda` passes the CLI's device check, torch itself is not faked."""
+    from pipeline.model import devices
+
+    monkeypatch.setattr(devices, "cuda_available", lambda: True)

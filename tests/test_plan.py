@@ -173,7 +173,7 @@ def test_plan_needs_a_checkpoint_dir(tmp_path, capsys):
     assert code == 2 and "config.json" in json.loads(capsys.readouterr().out)["message"]
 
 
-def test_resource_estimate_and_the_fit_check(capsys, tiny_llama, tmp_path, monkeypatch):
+def test_resource_estimate_and_the_fit_check(capsys, tiny_llama, tmp_path, monkeypatch, cuda_here):
     """`qship plan --device` predicts memory, disk and time from the config; `qship run`
     on a GPU whose free memory is below the predicted peak exits 2 before fetching."""
     import json as _json
