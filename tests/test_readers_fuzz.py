@@ -294,3 +294,32 @@ def test_sums_mutated_valid_file(names, data):
 )
 def test_sums_known_bad(text):
     assert sums_or_reject(text.encode()) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_bytes(tmp_path_factory) -> bytes:
+    from tests.test_fetch_gguf import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "t.gguf").read_bytes()
+
+
+@FUZZ
+@given(cut=st.integers(0, 2**16), flips=st.lists(st.tuples(st.integers(0, 4095),
+                                                           st.integers(1, 255)), max_size=4))  # fmt: skip
+def test_gguf_header_check_refuses_or_passes_never_crashes(tiny_gguf_bytes, tmp_path, cut, flips):
+    """Any truncation and byte flips in the header region: the GGUF header check passes or
+    raises IntegrityError (exit 3), nothing else; a file cut short never passes."""
+    from pipeline.fetch.gguf_header import check_gguf
+
+    p = tmp_path / "f.gguf"
+    p.write_bytes(tiny_gguf_bytes[: cut % len(tiny_gguf_bytes)])
+    with pytest.raises(IntegrityError):  # its last tensor ends at the file's end
+        check_gguf(p)
+    data = bytearray(tiny_gguf_bytes)
+    for at, x in flips:
+        data[at % len(data)] ^= x
+    p.write_bytes(bytes(data[: len(data) - cut % 64]))
+    try:
+        check_gguf(p)
+    except IntegrityError:
+        pass
