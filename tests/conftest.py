@@ -96,7 +96,6 @@ def tiny_quantized(tmp_path_factory, tiny_llama, package_recipe):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        (work / "checksums").mkdir()
         snap = fetch(tiny_llama, cache_dir=work / "cache", checksums_dir=work / "checksums")
         r = package_recipe
         tokens = build_token_sets(

@@ -221,3 +221,40 @@ def test_long_context_beyond_the_model_is_refused_at_plan_time(tmp_path, tiny_ll
     d["serve"]["long_context"]["lengths"] = [256, "max"]
     p.write_text(yaml.safe_dump(d))
     assert main(["plan", "--model", str(tiny_llama), "--recipe", str(p), "--json"]) == 0
+
+
+def _smollm2_dims(folder: Path) -> Path:
+    """A config-only Llama as wide as SmolLM2-135M (576; KV 192; MLP 1536), two layers."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                num_attention_heads=9, num_key_value_heads=3, vocab_size=512,
+                max_position_embeddings=2048, tie_word_embeddings=True).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+@pytest.mark.parametrize("on_indivisible", ["error", "fallback"])
+def test_w4a8_on_a_width_128_does_not_divide_names_what_can_serve(tmp_path, capsys,
+                                                                  on_indivisible):  # fmt: skip
+    """Issue 57 item 3: the general group-size check ran first and advised a group size
+    that divides 576 (or `on_indivisible: fallback`), then the W4A8 check refused either
+    with "use preset W4AFP8", the preset already used. Now both say W4A8 cannot serve the
+    model and name W4A16 at group 64 and FP8_DYNAMIC; following that advice plans."""
+    import yaml
+
+    from tests.cli_run import qship
+
+    model = _smollm2_dims(tmp_path / "smollm2-dims")
+    d = yaml.safe_load((R / "w4a8-fp8.yaml").read_text())
+    d["groups"][0]["scheme"]["on_indivisible"] = on_indivisible
+    p = tmp_path / "w4a8.yaml"
+    p.write_text(yaml.safe_dump(d))
+    rc, err = qship(capsys, "plan", "--model", str(model), "--recipe", str(p))
+    assert rc == 2 and "W4A8-FP8 cannot serve this model" in err["message"], err
+    assert "{preset: W4A16, group_size: 64}" in err["hint"] and "FP8_DYNAMIC" in err["hint"]
+    assert "on_indivisible" not in err["hint"] and "use preset W4AFP8" not in err["hint"]
+    d["groups"][0]["scheme"] = {"preset": "W4A16", "group_size": 64}  # the advice, taken
+    p.write_text(yaml.safe_dump(d))
+    assert qship(capsys, "plan", "--model", str(model), "--recipe", str(p))[0] == 0
+    rc, _ = qship(capsys, "plan", "--model", str(model), "--recipe", str(R / "fp8-dynamic.yaml"))
+    assert rc == 0

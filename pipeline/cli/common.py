@@ -48,10 +48,19 @@ RequirePinOpt = Annotated[
         "(by name or by content), like pip's --require-hashes.",
     ),
 ]
+
+
+def _check_pin_folder(value: Path | None) -> Path | None:
+    from ..io.pins import require_folder
+
+    return None if value is None else require_folder(Path(value), "--checksums")
+
+
 ChecksumsOpt = Annotated[
     Path | None,
     typer.Option(
         "--checksums",
+        callback=_check_pin_folder,
         help="Folder of pinned manifests, looked up first and written by --pin (default "
         "$QSHIP_CHECKSUMS, else ./checksums); qship's own pins are always looked up too.",
     ),

@@ -32,16 +32,22 @@ SHIPPED = Path(__file__).resolve().parent.parent / "checksums"
 def checksums_dir(explicit: Path | None = None) -> Path:
     """The pin folder: `--checksums DIR`, else $QSHIP_CHECKSUMS, else ./checksums. A folder
     the user named must exist and be a folder (exit 2): a typo there would otherwise read
-    as "no pin" and take an altered model. The default ./checksums may be absent."""
+    as "no pin" and take an altered model. `--checksums` is checked as the CLI reads it
+    (`require_folder`); `explicit` is a folder already chosen (the runner hands its own on
+    to fetch). The default ./checksums may be absent."""
+    if explicit is not None:
+        return Path(explicit)
     env = os.environ.get(ENV)
-    named = ("--checksums", Path(explicit)) if explicit is not None else (
-        (ENV, Path(env)) if env else None)  # fmt: skip
-    if named is None:
-        folder = Path("checksums")
-        if folder.exists() and not folder.is_dir():
-            raise _not_a_folder("./checksums (the default pin folder)", folder)
-        return folder
-    where, folder = named
+    if env:
+        return require_folder(Path(env), ENV)
+    folder = Path("checksums")
+    if folder.exists() and not folder.is_dir():
+        raise _not_a_folder("./checksums (the default pin folder)", folder)
+    return folder
+
+
+def require_folder(folder: Path, where: str) -> Path:
+    """`folder`, named by `where` (--checksums, $QSHIP_CHECKSUMS), if it is a folder."""
     if not folder.is_dir():
         raise _not_a_folder(where, folder)
     return folder
