@@ -206,6 +206,42 @@ def test_every_number_is_finite_and_in_range(tmp_path, mutate, field, says):
     assert says in (ei.value.hint or ""), str(ei.value)
 
 
+def test_every_shipped_recipe_says_where_its_limits_came_from():
+    """Issue 57 item 7: the shipped limits are Gemma's and Qwen's rows; each recipe records
+    the model, the source and the figure behind every limit it sets (machine-readable,
+    `gates.origin`), and each figure passes its own limit."""
+    from pipeline.recipe import GATE_FIGURES
+
+    for p in RECIPES:
+        g = load_recipe(p).gates
+        assert g.origin is not None and g.origin.model and g.origin.source, p.name
+        set_ = {n for n in GATE_FIGURES if getattr(g, n) is not None}
+        assert set(g.origin.measured) == set_, p.name
+        assert all(margin >= 0 for *_, margin in g.margins()), (p.name, g.margins())
+
+
+def test_gate_origin_is_checked_and_not_hashed(tmp_path):
+    d = _base()
+    plain = parse_recipe({**d, "gates": {k: v for k, v in d["gates"].items() if k != "origin"}})
+    assert parse_recipe(d).hash() == plain.hash()  # it explains the limits, changes no output
+    d["gates"]["origin"]["measured"]["kl_p999_max"] = 3.0
+    with pytest.raises(RecipeError, match=r"gates.*not a limit this recipe sets"):
+        load_recipe(_write(tmp_path, d))
+
+
+def test_plan_prints_where_the_gates_came_from(tmp_path, tiny_llama, capsys):
+    rc = main(["plan", "--model", str(tiny_llama), "--recipe", str(ROOT / "recipes" /
+               "fp8-dynamic.yaml")])  # fmt: skip
+    out = capsys.readouterr().err  # the summary is printed on stderr
+    assert rc == 0 and "gates from Gemma 3 270M" in out, out
+    assert "top1_min 0.89: measured 0.91, margin +0.02" in out, out
+    assert "SmolLM2-135M" in out  # the recipe's note
+    d = _base()
+    del d["gates"]["origin"]
+    rc = main(["plan", "--model", str(tiny_llama), "--recipe", str(_write(tmp_path, d))])
+    assert rc == 0 and "gates: no origin recorded" in capsys.readouterr().err
+
+
 def test_unknown_key_exits_2_via_cli(tmp_path, tiny_gemma):
     d = _base()
     d["gates"]["kl_mean"] = 0.1  # misspelt gate

@@ -74,7 +74,9 @@ def plan_cmd(
                  free_cpu_bytes=free_cpu_bytes() if host is None else host, ranks=gpus)  # fmt: skip
     plan = plan.model_copy(update={"estimate": est})
     full = table or STATE.verbose
-    return Shown(plan, (module_table(plan) + "\n" if full else "") + plan_summary(plan, table=full))
+    gates = "".join(f"\n  {line}" for line in r.gates.origin_lines())  # whose limits these are
+    return Shown(plan, (module_table(plan) + "\n" if full else "") + plan_summary(plan, table=full)
+                 + gates)  # fmt: skip
 
 
 class Shown:
