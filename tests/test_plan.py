@@ -204,7 +204,7 @@ def test_resource_estimate_and_the_fit_check(capsys, tiny_llama, tmp_path, monke
     assert not {"fetch", "quantize"} & {s["stage"] for s in run["stages"]}
 
 
-def test_long_context_beyond_the_model_is_refused_at_plan_time(tmp_path, tiny_llama, capsys):
+def test_lengths_beyond_the_model_are_refused_at_plan_time(tmp_path, tiny_llama, capsys):
     """A `serve.long_context` length beyond the model's context (tiny Llama: 512 tokens)
     used to be caught only after quantize and evaluate: now `qship plan` exits 2 naming the
     length's field; "max" and lengths within the context plan."""
@@ -221,6 +221,12 @@ def test_long_context_beyond_the_model_is_refused_at_plan_time(tmp_path, tiny_ll
     d["serve"]["long_context"]["lengths"] = [256, "max"]
     p.write_text(yaml.safe_dump(d))
     assert main(["plan", "--model", str(tiny_llama), "--recipe", str(p), "--json"]) == 0
+    capsys.readouterr()
+    d["evaluation"]["seq_len"] = 1024  # held-out windows longer than the context, the same
+    p.write_text(yaml.safe_dump(d))
+    code = main(["plan", "--model", str(tiny_llama), "--recipe", str(p), "--json"])
+    err = json.loads(capsys.readouterr().out)
+    assert code == 2 and "`evaluation.seq_len`" in err["message"] and "512" in err["message"]
 
 
 def _smollm2_dims(folder: Path) -> Path:

@@ -126,9 +126,18 @@ def w4a16_group_size(widths: Iterable[int], largest: int = 128) -> int | None:
     return g if g >= 32 else None
 
 
-def check_workloads(recipe: Recipe, max_positions: int | None) -> None:
-    """Exit 2 for a served-performance workload or a long-context length the model cannot
-    serve: beyond its context (config.json max_position_embeddings), before any compute."""
+def check_lengths(recipe: Recipe, max_positions: int | None) -> None:
+    """Exit 2 for a length the model cannot take, beyond its context (config.json
+    max_position_embeddings), before any compute: a calibration or held-out window, a
+    long-context trial, a served-performance workload."""
+    if isinstance(max_positions, int) and max_positions > 0:
+        for field in ("calibration", "evaluation"):
+            n = getattr(recipe, field).seq_len
+            if n > max_positions:
+                raise RecipeError(f"field `{field}.seq_len`: {n}-token windows are longer than "
+                                  f"the model's context of {max_positions} tokens",
+                                  path=recipe.path, hint=f"set {field}.seq_len to at most "
+                                  f"{max_positions}")  # fmt: skip
     lc = recipe.serve.long_context if recipe.serve is not None else None
     long = lc.beyond(max_positions) if lc is not None else None
     if long is not None:
