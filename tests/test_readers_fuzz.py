@@ -323,3 +323,24 @@ def test_gguf_header_check_refuses_or_passes_never_crashes(tiny_gguf_bytes, tmp_
         check_gguf(p)
     except IntegrityError:
         pass
+
+
+_YAML_BITS = st.sampled_from([b"name: a\n", b"groups:\n", b"  - ", b"{", b"}", b"[", b"]", b": ",
+                              b"&a ", b"*a ", b"!!python/object ", b"\xff", b"\xc3", b"\t",
+                              b"- [1, 2]\n", b"gates: {top1_min: .nan}\n", b"\n", b"name: b\n"])  # fmt: skip
+
+
+@FUZZ
+@given(parts=st.lists(_YAML_BITS | st.binary(max_size=8), max_size=40))
+def test_recipe_reader_refuses_or_parses_never_crashes(tmp_path, parts):
+    """Any bytes as a recipe file: a Recipe or RecipeError (exit 2), nothing else -- no
+    UnicodeDecodeError, RecursionError, constructor or pydantic error escapes."""
+    from pipeline.errors import RecipeError
+    from pipeline.recipe import load_recipe
+
+    p = tmp_path / "r.yaml"
+    p.write_bytes(b"".join(parts))
+    try:
+        load_recipe(p)
+    except RecipeError as e:
+        assert e.path == str(p)
