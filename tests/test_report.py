@@ -438,3 +438,15 @@ def test_compare_prints_the_limits_its_rows_support(evals, tmp_path):
     gptq = next(line for line in section.splitlines() if line.startswith("| gptq-w4 |"))
     want = rep["supported_limits"]["gptq-w4"]["kl_mean_max"]
     assert f"| {want:g} (0.3) |" in gptq, gptq  # supported, then the recipe's own limit
+
+
+def test_compare_prints_the_supported_limits(evals, tmp_path, capsys):
+    """The command's own printout (not only the report files) lists them per recipe."""
+    _write_jobs(tmp_path / "jobs", evals)
+    res = collect([tmp_path / "jobs"], tmp_path / "rep")
+    want = write_report([row(e) for e in evals], tmp_path / "direct")["supported_limits"]
+    assert res.supported_limits == want
+    text = res.summary()
+    assert "limits these rows support on this model (10% more loss than measured)" in text
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("gptq-w4:"))
+    assert f"kl_mean_max {want['gptq-w4']['kl_mean_max']:g}" in line, text
