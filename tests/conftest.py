@@ -254,3 +254,12 @@ def tiny_gguf(tmp_path_factory) -> Path:
     from tiny_gguf import write_tiny_llama_gguf
 
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama-f16.gguf")
+
+
+@pytest.fixture
+def cuda_here(monkeypatch):
+    """CUDA reported present (a test that simulates a GPU by its free memory on this CPU
+    box): `--device cuda` passes the CLI's device check, torch itself is not faked."""
+    from pipeline.model import devices
+
+    monkeypatch.setattr(devices, "cuda_available", lambda: True)

@@ -65,7 +65,9 @@ def test_the_moe_term_holds_the_measured_moe_row(tmp_path, capsys, monkeypatch):
     assert abs(predicted - measured) < 0.25 * measured, predicted
 
 
-def test_quantize_alone_needs_disk_for_its_checkpoint_only(tmp_path, capsys, monkeypatch):
+def test_quantize_alone_needs_disk_for_its_checkpoint_only(
+    tmp_path, capsys, monkeypatch, cuda_here
+):
     """`qship run` keeps cache entries (the snapshot, the resume store, the reference) beside
     the artifact; `qship quantize` writes the checkpoint alone. On the H100 (2026-12-05) the
     8B-dims quantize was refused for the run's 44.1 GB with 35 GB free and a 5.6 GB checkpoint."""

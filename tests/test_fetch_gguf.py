@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -300,3 +301,82 @@ def test_gemma_snapshot_generates(gemma_snapshot):
         assert text.strip() and not math.isnan(float(out.logits[0].float().max()))
     finally:
         torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------ hostile GGUF headers
+
+
+def _gguf_bytes(n_tensors: int, kvs: bytes = b"", n_kv: int = 0, tail: bytes = b"") -> bytes:
+    """A GGUF v3 header written byte by byte: magic, version, counts, then `kvs` and `tail`."""
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + kvs + tail
+
+
+def _string(s: bytes) -> bytes:
+    return struct.pack("<Q", len(s)) + s
+
+
+def _hostile(tiny: bytes) -> dict[str, bytes]:
+    one_tensor = _string(b"w") + struct.pack("<I", 2) + struct.pack("<QQ", 32, 32)
+    return {
+        "truncated-data": tiny[: len(tiny) * 3 // 4],
+        "truncated-header": tiny[:200],
+        "1e12-tensors": tiny[:8] + struct.pack("<Q", 10**12) + tiny[16:],
+        "1e15-metadata": tiny[:16] + struct.pack("<Q", 10**15) + tiny[24:],
+        "array-of-1e12": _gguf_bytes(0, _string(b"a") + struct.pack("<IIQ", 9, 6, 10**12), 1),
+        "string-of-1e12": _gguf_bytes(0, _string(b"a") + struct.pack("<IQ", 8, 10**12), 1),
+        "tensor-beyond-file": _gguf_bytes(1, tail=one_tensor + struct.pack("<IQ", 0, 0)),
+        "not-a-type": _gguf_bytes(0, _string(b"a") + struct.pack("<I", 77) + b"\0" * 8, 1),
+        "not-gguf": b"GGML" + tiny[4:64],
+        "empty": b"",
+    }
+
+
+HOSTILE = list(_hostile(b"\0" * 64))
+
+
+@pytest.mark.parametrize("command", ["fetch", "plan"])
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_malformed_gguf_is_exit_3_before_any_library_reads_it(
+    capsys, tiny_gguf, tmp_path, monkeypatch, command, case
+):
+    """Truncated files and headers claiming 10^12 tensors (or metadata, or array elements)
+    used to end in an uncaught struct.error / reshape ValueError (exit 1), or in an
+    allocation as large as the claim: exit 3, "malformed file", for plan and fetch alike,
+    before transformers or the gguf reader sees the file."""
+    import transformers
+
+    from pipeline.fetch import gguf as fetch_gguf
+
+    def boom(*a, **k):
+        raise AssertionError("a library read a malformed GGUF")
+
+    monkeypatch.setattr(fetch_gguf, "dequantize", boom)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", boom)
+    bad = tmp_path / f"{case}.gguf"
+    bad.write_bytes(_hostile(tiny_gguf.read_bytes())[case])
+    (tmp_path / "checksums").mkdir()
+    common = ["--cache-dir", str(tmp_path / "cache")]
+    if command == "fetch":
+        args = ["fetch", str(bad), *common, "--checksums", str(tmp_path / "checksums"), "--pin"]
+    else:
+        recipe = Path(__file__).resolve().parent.parent / "recipes" / "fp8-dynamic.yaml"
+        args = ["plan", "--model", str(bad), "--recipe", str(recipe), *common]
+    rc, err = qship(capsys, *args)
+    assert rc == 3 and err["message"].startswith("malformed file"), err
+    assert err["path"] == str(bad), err
+    assert not list((tmp_path / "checksums").iterdir())  # nothing pinned
+
+
+def test_the_header_check_passes_real_ggufs(tiny_gguf, qship_test_cache):
+    """The check refuses no real file: the tiny GGUF, and Gemma 3 270M's Q4_K_M (its
+    package assembled in the session cache, as `qship fetch` does)."""
+    import gguf
+
+    from pipeline.fetch.gguf import gguf_path
+    from pipeline.fetch.gguf_header import check_gguf
+    from pipeline.fetch.sources import parse_source
+    from tests.conftest import GEMMA_PKG
+
+    assert check_gguf(tiny_gguf) == len(gguf.GGUFReader(str(tiny_gguf)).tensors)
+    gemma, _, _ = gguf_path(parse_source(GEMMA_PKG), qship_test_cache)  # checked on the way
+    assert check_gguf(gemma) == len(gguf.GGUFReader(str(gemma)).tensors) == 236

@@ -82,7 +82,19 @@ def test_a_preset_and_its_long_form_are_one_recipe():
         ({"type": "float", "bits": 8, "symmetric": False, "group_size": None}, "symmetric"),
         ({"type": "float", "bits": 8, "strategy": "block"}, "block: [rows, columns]"),
         ({"bits": 8, "strategy": "block", "block": [128, 128]}, "FP8 weights"),
-        ({"preset": "W8A8", "activations": {"strategy": "token", "dynamic": False}}, "static"),
+        (
+            {
+                "preset": "W8A8",
+                "activations": {"type": "int", "strategy": "token", "dynamic": False},
+            },
+            "static",
+        ),
+        # a key that changes what the preset is (it used to pass, silently another format)
+        ({"preset": "FP8_DYNAMIC", "type": "int"}, "preset 'FP8_DYNAMIC' has type 'float'"),
+        ({"preset": "W4A16", "bits": 8}, "has bits 4"),
+        ({"preset": "W4A16", "activations": {"type": "float"}}, "no activation quantization"),
+        ({"preset": "W4AFP8", "activations": None}, "float activations"),
+        ({"preset": "W8A8", "activations": {"strategy": "token"}}, "int activations"),
         ({"preset": "FP8_BLOCK", "activations": {"strategy": "group"}}, "group_size"),
         ({"preset": "W4AFP8", "observer": "imatrix_mse"}, "weight-only"),
         ({"preset": "FP8_DYNAMIC", "observer": "imatrix_mse"}, "weight-only"),

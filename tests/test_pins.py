@@ -157,3 +157,26 @@ def test_pins_hold_from_any_working_directory(gemma_snapshot, qship_test_cache, 
         p = cli("fetch", str(tampered), *args, cwd=elsewhere)
         assert p.returncode == INTEGRITY, p.stdout + p.stderr
         assert "named like the pinned gemma-3-270m-q4_k_m.gguf" in json.loads(p.stdout)["message"]
+
+
+@pytest.mark.parametrize("how", ["--checksums", "QSHIP_CHECKSUMS"])
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_a_named_pin_folder_must_be_a_folder(capsys, tiny_llama, tmp_path, monkeypatch, how,
+                                             kind):  # fmt: skip
+    """A pin folder the user named that does not exist, or is a file, is exit 2 naming it
+    (before, it read as "no pin" and took any model, or crashed under --pin), and nothing
+    is fetched or pinned."""
+    folder = tmp_path / "my-pins"
+    if kind == "file":
+        folder.write_text("not a folder")
+    cache = tmp_path / "cache"
+    args = ["fetch", str(tiny_llama), "--cache-dir", str(cache), "--pin"]
+    if how == "--checksums":
+        args += ["--checksums", str(folder)]
+    else:
+        monkeypatch.setenv("QSHIP_CHECKSUMS", str(folder))
+    rc, err = qship(capsys, *args)
+    assert rc == USAGE, err
+    assert str(folder) in err["message"] and how in err["message"], err
+    assert ("does not exist" if kind == "missing" else "not a folder") in err["message"]
+    assert entries(cache) == [] and (kind == "file") == folder.exists()

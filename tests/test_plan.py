@@ -173,7 +173,7 @@ def test_plan_needs_a_checkpoint_dir(tmp_path, capsys):
     assert code == 2 and "config.json" in json.loads(capsys.readouterr().out)["message"]
 
 
-def test_resource_estimate_and_the_fit_check(capsys, tiny_llama, tmp_path, monkeypatch):
+def test_resource_estimate_and_the_fit_check(capsys, tiny_llama, tmp_path, monkeypatch, cuda_here):
     """`qship plan --device` predicts memory, disk and time from the config; `qship run`
     on a GPU whose free memory is below the predicted peak exits 2 before fetching."""
     import json as _json
@@ -202,3 +202,65 @@ def test_resource_estimate_and_the_fit_check(capsys, tiny_llama, tmp_path, monke
     assert "--device cpu" in err["hint"]
     run = _json.loads((tmp_path / "art.report" / "run.json").read_text())
     assert not {"fetch", "quantize"} & {s["stage"] for s in run["stages"]}
+
+
+def test_lengths_beyond_the_model_are_refused_at_plan_time(tmp_path, tiny_llama, capsys):
+    """A `serve.long_context` length beyond the model's context (tiny Llama: 512 tokens)
+    used to be caught only after quantize and evaluate: now `qship plan` exits 2 naming the
+    length's field; "max" and lengths within the context plan."""
+    import yaml
+
+    d = yaml.safe_load((R / "fp8-dynamic.yaml").read_text())
+    d["serve"] = {"engine": "transformers", "long_context": {"lengths": [256, 4096, "max"]}}
+    p = tmp_path / "lc.yaml"
+    p.write_text(yaml.safe_dump(d))
+    code = main(["plan", "--model", str(tiny_llama), "--recipe", str(p), "--json"])
+    err = json.loads(capsys.readouterr().out)
+    assert code == 2 and "`serve.long_context.lengths[1]`" in err["message"], err
+    assert "4096" in err["message"] and "512" in err["message"], err
+    d["serve"]["long_context"]["lengths"] = [256, "max"]
+    p.write_text(yaml.safe_dump(d))
+    assert main(["plan", "--model", str(tiny_llama), "--recipe", str(p), "--json"]) == 0
+    capsys.readouterr()
+    d["evaluation"]["seq_len"] = 1024  # held-out windows longer than the context, the same
+    p.write_text(yaml.safe_dump(d))
+    code = main(["plan", "--model", str(tiny_llama), "--recipe", str(p), "--json"])
+    err = json.loads(capsys.readouterr().out)
+    assert code == 2 and "`evaluation.seq_len`" in err["message"] and "512" in err["message"]
+
+
+def _smollm2_dims(folder: Path) -> Path:
+    """A config-only Llama as wide as SmolLM2-135M (576; KV 192; MLP 1536), two layers."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                num_attention_heads=9, num_key_value_heads=3, vocab_size=512,
+                max_position_embeddings=2048, tie_word_embeddings=True).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+@pytest.mark.parametrize("on_indivisible", ["error", "fallback"])
+def test_w4a8_on_a_width_128_does_not_divide_names_what_can_serve(tmp_path, capsys,
+                                                                  on_indivisible):  # fmt: skip
+    """Issue 57 item 3: the general group-size check ran first and advised a group size
+    that divides 576 (or `on_indivisible: fallback`), then the W4A8 check refused either
+    with "use preset W4AFP8", the preset already used. Now both say W4A8 cannot serve the
+    model and name W4A16 at group 64 and FP8_DYNAMIC; following that advice plans."""
+    import yaml
+
+    from tests.cli_run import qship
+
+    model = _smollm2_dims(tmp_path / "smollm2-dims")
+    d = yaml.safe_load((R / "w4a8-fp8.yaml").read_text())
+    d["groups"][0]["scheme"]["on_indivisible"] = on_indivisible
+    p = tmp_path / "w4a8.yaml"
+    p.write_text(yaml.safe_dump(d))
+    rc, err = qship(capsys, "plan", "--model", str(model), "--recipe", str(p))
+    assert rc == 2 and "W4A8-FP8 cannot serve this model" in err["message"], err
+    assert "{preset: W4A16, group_size: 64}" in err["hint"] and "FP8_DYNAMIC" in err["hint"]
+    assert "on_indivisible" not in err["hint"] and "use preset W4AFP8" not in err["hint"]
+    d["groups"][0]["scheme"] = {"preset": "W4A16", "group_size": 64}  # the advice, taken
+    p.write_text(yaml.safe_dump(d))
+    assert qship(capsys, "plan", "--model", str(model), "--recipe", str(p))[0] == 0
+    rc, _ = qship(capsys, "plan", "--model", str(model), "--recipe", str(R / "fp8-dynamic.yaml"))
+    assert rc == 0

@@ -294,3 +294,53 @@ def test_sums_mutated_valid_file(names, data):
 )
 def test_sums_known_bad(text):
     assert sums_or_reject(text.encode()) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_bytes(tmp_path_factory) -> bytes:
+    from tests.test_fetch_gguf import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "t.gguf").read_bytes()
+
+
+@FUZZ
+@given(cut=st.integers(0, 2**16), flips=st.lists(st.tuples(st.integers(0, 4095),
+                                                           st.integers(1, 255)), max_size=4))  # fmt: skip
+def test_gguf_header_check_refuses_or_passes_never_crashes(tiny_gguf_bytes, tmp_path, cut, flips):
+    """Any truncation and byte flips in the header region: the GGUF header check passes or
+    raises IntegrityError (exit 3), nothing else; a file cut short never passes."""
+    from pipeline.fetch.gguf_header import check_gguf
+
+    p = tmp_path / "f.gguf"
+    p.write_bytes(tiny_gguf_bytes[: cut % len(tiny_gguf_bytes)])
+    with pytest.raises(IntegrityError):  # its last tensor ends at the file's end
+        check_gguf(p)
+    data = bytearray(tiny_gguf_bytes)
+    for at, x in flips:
+        data[at % len(data)] ^= x
+    p.write_bytes(bytes(data[: len(data) - cut % 64]))
+    try:
+        check_gguf(p)
+    except IntegrityError:
+        pass
+
+
+_YAML_BITS = st.sampled_from([b"name: a\n", b"groups:\n", b"  - ", b"{", b"}", b"[", b"]", b": ",
+                              b"&a ", b"*a ", b"!!python/object ", b"\xff", b"\xc3", b"\t",
+                              b"- [1, 2]\n", b"gates: {top1_min: .nan}\n", b"\n", b"name: b\n"])  # fmt: skip
+
+
+@FUZZ
+@given(parts=st.lists(_YAML_BITS | st.binary(max_size=8), max_size=40))
+def test_recipe_reader_refuses_or_parses_never_crashes(tmp_path, parts):
+    """Any bytes as a recipe file: a Recipe or RecipeError (exit 2), nothing else -- no
+    UnicodeDecodeError, RecursionError, constructor or pydantic error escapes."""
+    from pipeline.errors import RecipeError
+    from pipeline.recipe import load_recipe
+
+    p = tmp_path / "r.yaml"
+    p.write_bytes(b"".join(parts))
+    try:
+        load_recipe(p)
+    except RecipeError as e:
+        assert e.path == str(p)

@@ -170,6 +170,78 @@ def test_schema_errors_name_file_field_fix(tmp_path, mutate, field, fix):
     assert fix in (e.hint or "") + e.message, str(e)
 
 
+_NAN, _INF = float("nan"), float("inf")
+_WORKLOAD = {"name": "w", "prompt_len": 8, "output_len": 8, "concurrency": 1}
+
+
+def _serve_gate(field: str, value: float) -> dict:
+    return {"workloads": [_WORKLOAD], "gates": {field: {"w": value}}}
+
+
+@pytest.mark.parametrize(
+    "mutate, field, says",
+    [
+        (lambda d: d["gates"].update(top1_min=_NAN), "gates.top1_min", "finite"),
+        (lambda d: d["gates"].update(kl_mean_max=_INF), "gates.kl_mean_max", "finite"),
+        (lambda d: d["gates"].update(kl_p99_max=-0.1), "gates.kl_p99_max", "bound"),
+        (lambda d: d["gates"].update(top1_min=1.5), "gates.top1_min", "bound"),
+        (lambda d: d["gates"].update(ppl_ratio_max=0), "gates.ppl_ratio_max", "bound"),
+        (lambda d: d.update(serve=_serve_gate("min_speedup", -1.2)),
+         "serve.gates.min_speedup.w", "bound"),
+        (lambda d: d.update(serve=_serve_gate("max_ttft_ms", _NAN)),
+         "serve.gates.max_ttft_ms.w", "finite"),
+        (lambda d: d.update(serve={"max_kl": _INF}), "serve.max_kl", "finite"),
+        (lambda d: d["evaluation"].update(max_overlap=_NAN), "evaluation.max_overlap", "finite"),
+    ],
+)  # fmt: skip
+def test_every_number_is_finite_and_in_range(tmp_path, mutate, field, says):
+    """NaN passes no comparison (a NaN limit used to be accepted; the run computed, then
+    failed on "limit <= nan"), and a limit out of its range can never be met: exit 2 at
+    load time naming the field."""
+    d = _base()
+    mutate(d)
+    with pytest.raises(RecipeError) as ei:
+        load_recipe(_write(tmp_path, d))
+    assert f"`{field}`" in ei.value.message, ei.value.message
+    assert says in (ei.value.hint or ""), str(ei.value)
+
+
+def test_every_shipped_recipe_says_where_its_limits_came_from():
+    """Issue 57 item 7: the shipped limits are Gemma's and Qwen's rows; each recipe records
+    the model, the source and the figure behind every limit it sets (machine-readable,
+    `gates.origin`), and each figure passes its own limit."""
+    from pipeline.recipe import GATE_FIGURES
+
+    for p in RECIPES:
+        g = load_recipe(p).gates
+        assert g.origin is not None and g.origin.model and g.origin.source, p.name
+        set_ = {n for n in GATE_FIGURES if getattr(g, n) is not None}
+        assert set(g.origin.measured) == set_, p.name
+        assert all(margin >= 0 for *_, margin in g.margins()), (p.name, g.margins())
+
+
+def test_gate_origin_is_checked_and_not_hashed(tmp_path):
+    d = _base()
+    plain = parse_recipe({**d, "gates": {k: v for k, v in d["gates"].items() if k != "origin"}})
+    assert parse_recipe(d).hash() == plain.hash()  # it explains the limits, changes no output
+    d["gates"]["origin"]["measured"]["kl_p999_max"] = 3.0
+    with pytest.raises(RecipeError, match=r"gates.*not a limit this recipe sets"):
+        load_recipe(_write(tmp_path, d))
+
+
+def test_plan_prints_where_the_gates_came_from(tmp_path, tiny_llama, capsys):
+    rc = main(["plan", "--model", str(tiny_llama), "--recipe", str(ROOT / "recipes" /
+               "fp8-dynamic.yaml")])  # fmt: skip
+    out = capsys.readouterr().err  # the summary is printed on stderr
+    assert rc == 0 and "gates from Gemma 3 270M" in out, out
+    assert "top1_min 0.89: measured 0.91, margin +0.02" in out, out
+    assert "SmolLM2-135M" in out  # the recipe's note
+    d = _base()
+    del d["gates"]["origin"]
+    rc = main(["plan", "--model", str(tiny_llama), "--recipe", str(_write(tmp_path, d))])
+    assert rc == 0 and "gates: no origin recorded" in capsys.readouterr().err
+
+
 def test_unknown_key_exits_2_via_cli(tmp_path, tiny_gemma):
     d = _base()
     d["gates"]["kl_mean"] = 0.1  # misspelt gate
@@ -292,6 +364,41 @@ def test_yaml_syntax_and_missing_file(tmp_path):
         load_recipe(p)
     with pytest.raises(RecipeError, match="cannot read"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "text, line, says",
+    [
+        (b"name: a\ndtype: bfloat16\nname: b\n", 3, "written twice"),
+        (b"name: a\ndescription: caf\xe9\n", 2, "not UTF-8"),
+        (b"name: " + b"[" * 5000 + b"]" * 5000 + b"\n", 1, "nested deeper"),
+        (b"a: &x [1]\n" + b"".join(b"k%d: *x\n" % i for i in range(100)), 66, "alias"),
+    ],
+    ids=["duplicate-key", "latin-1", "deep-nesting", "aliases"],
+)
+def test_recipe_file_refused_with_its_line(tmp_path, capsys, text, line, says):
+    """A duplicated key (the last value silently won), a file that is not UTF-8
+    (UnicodeDecodeError, exit 1), nesting that exhausts the parser's stack (RecursionError)
+    and alias bombs: exit 2 naming the file and the line."""
+    p = tmp_path / "r.yaml"
+    p.write_bytes(text)
+    with pytest.raises(RecipeError) as ei:
+        load_recipe(p)
+    assert ei.value.path == str(p) and says in ei.value.message, ei.value.message
+    assert f"line {line}:" in ei.value.message, ei.value.message
+    capsys.readouterr()
+    rc = main(["plan", "--model", "unused", "--recipe", str(p), "--json"])
+    err = json.loads(capsys.readouterr().out)
+    assert rc == 2 and err["path"] == str(p), err
+
+
+def test_recipe_file_size_is_bounded(tmp_path):
+    from pipeline.recipe.loading import MAX_BYTES
+
+    p = tmp_path / "big.yaml"
+    p.write_text("name: a\ndescription: " + "x" * MAX_BYTES + "\n")
+    with pytest.raises(RecipeError, match="bytes, more than"):
+        load_recipe(p)
 
 
 def test_cli_usage_errors_exit_2(capsys):

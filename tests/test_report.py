@@ -411,3 +411,42 @@ def test_collect_qship_run_layout(evals, tmp_path):
     assert rows["gptq-w4"]["passed"] is True and rows["rtn-w4"]["passed"] is False
     assert res.best == "gptq-w4"
     assert res.best_dir == str(tmp_path / "results" / "qship-gptq-w4" / "gptq-w4")
+
+
+def test_compare_prints_the_limits_its_rows_support(evals, tmp_path):
+    """Issue 57 item 7: the shipped gates are another model's (Gemma's, Qwen's); the report
+    prints, per recipe, the limits its measurement on *this* model supports (10 % more loss
+    than measured, rounded up) beside the recipe's own, so a team sets its own gates."""
+    from pipeline.compare.report import supported_limits
+
+    # fp8-dynamic's row on Gemma 3 270M (its recipe's origin): 10 % more loss, rounded up
+    assert supported_limits({"kl_mean": 0.0278, "kl_p99": 0.198, "top1": 0.910,
+                             "ppl_ratio": 1.032}) == {"kl_mean_max": 0.0306,
+                                                      "kl_p99_max": 0.218, "top1_min": 0.901,
+                                                      "ppl_ratio_max": 1.0352}  # fmt: skip
+    rows = [row(e) for e in evals]
+    rep = write_report(rows, tmp_path)
+    for r in rep["rows"]:
+        lim = rep["supported_limits"][r["name"]]
+        # each measured row passes the limits it supports, and by about the headroom
+        assert r["kl_mean"] <= lim["kl_mean_max"] <= r["kl_mean"] * 1.11
+        assert r["kl_p99"] <= lim["kl_p99_max"] and r["top1"] >= lim["top1_min"]
+        assert 1 - lim["top1_min"] <= (1 - r["top1"]) * 1.11
+        assert r["ppl_ratio"] <= lim["ppl_ratio_max"]
+    md = (tmp_path / "compare.md").read_text()
+    section = md[md.index("## Gate limits these measurements support") :]
+    gptq = next(line for line in section.splitlines() if line.startswith("| gptq-w4 |"))
+    want = rep["supported_limits"]["gptq-w4"]["kl_mean_max"]
+    assert f"| {want:g} (0.3) |" in gptq, gptq  # supported, then the recipe's own limit
+
+
+def test_compare_prints_the_supported_limits(evals, tmp_path, capsys):
+    """The command's own printout (not only the report files) lists them per recipe."""
+    _write_jobs(tmp_path / "jobs", evals)
+    res = collect([tmp_path / "jobs"], tmp_path / "rep")
+    want = write_report([row(e) for e in evals], tmp_path / "direct")["supported_limits"]
+    assert res.supported_limits == want
+    text = res.summary()
+    assert "limits these rows support on this model (10% more loss than measured)" in text
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("gptq-w4:"))
+    assert f"kl_mean_max {want['gptq-w4']['kl_mean_max']:g}" in line, text

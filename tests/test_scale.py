@@ -164,7 +164,7 @@ def test_failed_rank_is_named_and_leaves_nothing(setup, tiny_llama, tmp_path, mo
         _same_quality(_plain.path, qc.path, tiny_llama, _tokens.heldout_ids.long())
 
 
-def test_offload_choice_follows_free_memory(capsys, tmp_path, monkeypatch):
+def test_offload_choice_follows_free_memory(capsys, tmp_path, monkeypatch, cuda_here):
     """`--offload auto` on an 8B-dims config: all on the GPU when it fits, host memory (one
     layer on the GPU: under a quarter of the GPU peak) when it does not, disk when the host
     is short too; with --offload none on too small a GPU the fix names --offload cpu."""
@@ -362,7 +362,9 @@ def test_the_time_estimate_follows_the_method(tiny_gemma):
         assert secs["autoround"] > secs["awq"] > secs["gptq"] > secs["rtn"], (device, secs)
 
 
-def test_gpu_memory_cap_chooses_offload_and_refuses_what_cannot_fit(tmp_path, capsys, monkeypatch):
+def test_gpu_memory_cap_chooses_offload_and_refuses_what_cannot_fit(
+    tmp_path, capsys, monkeypatch, cuda_here
+):
     """--gpu-memory: the estimate plans with the cap, not the card (an 8B-dims model on a
     140 GB card capped at 12 GB is put in host memory by --offload auto), and a cap below
     what one decoder layer needs exits 2 before anything is loaded, naming that need."""

@@ -48,16 +48,45 @@ RequirePinOpt = Annotated[
         "(by name or by content), like pip's --require-hashes.",
     ),
 ]
+
+
+def _check_pin_folder(value: Path | None) -> Path | None:
+    from ..io.pins import require_folder
+
+    return None if value is None else require_folder(Path(value), "--checksums")
+
+
 ChecksumsOpt = Annotated[
     Path | None,
     typer.Option(
         "--checksums",
+        callback=_check_pin_folder,
         help="Folder of pinned manifests, looked up first and written by --pin (default "
         "$QSHIP_CHECKSUMS, else ./checksums); qship's own pins are always looked up too.",
     ),
 ]
+
+
+def _check_device(value: str | None) -> str | None:
+    from ..model.devices import check_device
+
+    return check_device(value)
+
+
+def _check_device_name(value: str | None) -> str | None:
+    from ..model.devices import check_device
+
+    return check_device(value, on_paper=True)
+
+
+_DEVICE_HELP = "cpu, cuda or cuda:N (default: the GPU when there is one)."
+# commands that compute: the device must be here (exit 2 at once otherwise)
 DeviceOpt = Annotated[
-    str | None, typer.Option("--device", help="cuda / cpu (default: the GPU when there is one).")
+    str | None, typer.Option("--device", callback=_check_device, help=_DEVICE_HELP)
+]
+# commands that plan on paper (`plan`, `compare --matrix`): a valid name is enough
+PaperDeviceOpt = Annotated[
+    str | None, typer.Option("--device", callback=_check_device_name, help=_DEVICE_HELP)
 ]
 OffloadOpt = Annotated[
     str,
@@ -110,6 +139,13 @@ def parse_size(text: str | None, *, option: str = "--gpu-memory") -> int | None:
         raise UsageError(f"{option} {text!r} is not a size", path=option,
                          hint="write it as 12GB, 40GiB or a number of bytes")  # fmt: skip
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def gpu_cap(text: str | None, device: str | None) -> int | None:
+    """--gpu-memory in bytes, at most what the GPU it is meant for could have (exit 2)."""
+    from ..model.devices import check_gpu_cap
+
+    return check_gpu_cap(device, parse_size(text))
 
 
 def check_offload(offload: str, *, auto: bool = True) -> str:

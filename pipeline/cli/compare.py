@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 
 from ..errors import UsageError
-from .common import CacheOpt, ChecksumsOpt, DeviceOpt, JsonOpt, OneLineJson, VerboseOpt, cache_root
+from .common import (
+    CacheOpt,
+    ChecksumsOpt,
+    DeviceOpt,
+    JsonOpt,
+    OneLineJson,
+    PaperDeviceOpt,
+    VerboseOpt,
+    cache_root,
+)
 
 
 def compare_cmd(
@@ -45,7 +54,7 @@ def compare_cmd(
             "--perf-raw", help="Keep each benchmark pass's raw JSON here (default: OUT/perf-raw)."
         ),
     ] = None,  # fmt: skip
-    device: DeviceOpt = None,
+    device: PaperDeviceOpt = None,  # --matrix only names it; a comparison needs it here
     checksums: ChecksumsOpt = None,
     cache_dir: CacheOpt = None,
     as_json: JsonOpt = False,
@@ -53,6 +62,7 @@ def compare_cmd(
 ) -> object:
     """Compare recipes on one model: md/json/csv/html report with plots; CI matrix/collect."""
     from ..compare import compare as cmp
+    from ..model.devices import check_device
 
     if matrix:
         return OneLineJson(cmp.matrix((recipes or []) + (items or []), device=device))
@@ -61,6 +71,7 @@ def compare_cmd(
     else:
         if not model:
             raise UsageError("--model is required (or use --matrix / --collect)", path="--model")
+        check_device(device)
         paths = cmp.recipe_paths((recipes or []) + (items or []))
         if serve not in (None, "vllm"):
             raise UsageError(f"--serve {serve}: served speed is measured with vllm",

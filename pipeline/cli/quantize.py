@@ -18,9 +18,11 @@ from .common import (
     GpuMemoryOpt,
     JsonOpt,
     OffloadOpt,
+    PaperDeviceOpt,
     VerboseOpt,
     cache_root,
     check_offload,
+    gpu_cap,
     parse_size,
 )
 
@@ -30,7 +32,7 @@ def plan_cmd(
         str, typer.Option("--model", help="A folder, hf://org/name[@rev], a .gguf or gguf-pkg://.")
     ],
     recipe: Annotated[Path, typer.Option("--recipe", help="Recipe YAML.")],
-    device: DeviceOpt = None,
+    device: PaperDeviceOpt = None,
     offload: OffloadOpt = "none",
     gpu_memory: GpuMemoryOpt = None,
     gpus: Annotated[
@@ -62,16 +64,19 @@ def plan_cmd(
     from ..quantize.estimate import choose
     from ..recipe import load_recipe
 
+    cap = gpu_cap(gpu_memory, device)
     r = load_recipe(recipe)
     config = read_config(model, cache_dir=cache_root(cache_dir))
     plan = plan_for_config(config, r)
     host = parse_size(host_memory, option="--host-memory")
     est = choose(plan, config, r, device or default_device(), offload=check_offload(offload),
-                 free_gpu_bytes=usable_gpu_bytes(device, parse_size(gpu_memory)),
+                 free_gpu_bytes=usable_gpu_bytes(device, cap),
                  free_cpu_bytes=free_cpu_bytes() if host is None else host, ranks=gpus)  # fmt: skip
     plan = plan.model_copy(update={"estimate": est})
     full = table or STATE.verbose
-    return Shown(plan, (module_table(plan) + "\n" if full else "") + plan_summary(plan, table=full))
+    gates = "".join(f"\n  {line}" for line in r.gates.origin_lines())  # whose limits these are
+    return Shown(plan, (module_table(plan) + "\n" if full else "") + plan_summary(plan, table=full)
+                 + gates)  # fmt: skip
 
 
 class Shown:
@@ -145,7 +150,7 @@ def quantize_cmd(
     # as `qship run` does: the plan and the estimate before any weight is read (exit 2), auto
     # offload resolved by it, the process held to --gpu-memory
     ctx = Context(cache_dir=cache_root(cache_dir), device=device, offload=check_offload(offload),
-                  gpu_memory=parse_size(gpu_memory))  # fmt: skip
+                  gpu_memory=gpu_cap(gpu_memory, device))  # fmt: skip
     check_recipe(str(model), r, ctx, show_plan=False, checkpoint_to=out)
     with log.stage("tokens") as line:
         tokens = build_token_sets(AutoTokenizer.from_pretrained(model), r.calibration,

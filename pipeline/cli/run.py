@@ -24,7 +24,7 @@ from .common import (
     VerboseOpt,
     cache_root,
     check_offload,
-    parse_size,
+    gpu_cap,
 )
 
 
@@ -68,6 +68,7 @@ def run_cmd(
     from .common import STATE
 
     check_offload(offload)
+    cap = gpu_cap(gpu_memory, device)  # at once, before any stage
     logfile = STATE.logfile = report_dir_for(check_out(out)) / "run.log"
     log.info(f"qship run {model} → {out}  (library output: {logfile})", style="bold")
     with (log.third_party_to(logfile, verbose=STATE.verbose),
@@ -76,5 +77,5 @@ def run_cmd(
                    sign_key=sign_key, device=device, allow_pickle=allow_pickle,
                    require_pin=require_pin, offload=offload, gpus=gpus,
                    torchrun_args=tuple(shlex.split(torchrun_args)),
-                   gpu_memory=parse_size(gpu_memory),
+                   gpu_memory=cap,
                    checksums_dir=checksums)  # fmt: skip

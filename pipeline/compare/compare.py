@@ -21,6 +21,7 @@ from ..io.pins import checksums_dir as pin_folder
 from ..records.base import Record
 from ..records.evaluation import EvalFile
 from .output import REPORT_FILES, write_report
+from .report import SUPPORT_HEADROOM
 from .rows import EVAL_FILE, row_from_file
 
 REPORT_SUFFIX = ".report"  # `qship run --out X` writes the artifact X and its report X.report
@@ -117,14 +118,22 @@ class CompareResult(Record):
     """Where the best recipe's artifact or checkpoint is."""
     best_by_width: dict[str, str] = {}
     pareto_bits_vs_kl: list[str] = []
+    supported_limits: dict[str, dict[str, float]] = {}
+    """Per recipe, the gate limits its measurement on this model supports
+    (`report.supported_limits`): set gates from these, not another model's."""
 
     def summary(self) -> str:
+        limits = [f"\n  {name}: " + ", ".join(f"{g} {v:g}" for g, v in lim.items())
+                  for name, lim in self.supported_limits.items() if lim]  # fmt: skip
         return (
             f"compared {len(self.recipes)} recipes ({len(self.passed)} passed their gates); "
             f"best: {self.best or 'none'}"
             + (f" ({self.best_dir})" if self.best_dir else "")
             + f"; report: {self.out / 'compare.html'}"
-        )
+            + (f"\nlimits these rows support on this model ({SUPPORT_HEADROOM:.0%} more loss "
+               "than measured):"
+               + "".join(limits) if limits else "")
+        )  # fmt: skip
 
     def require_pass(self) -> CompareResult:
         """GateFailed (exit 4) when no recipe passed: nothing to ship. The report is written."""
@@ -150,6 +159,7 @@ def _result(out: Path, rows: list[dict], sources: dict[str, str]) -> CompareResu
         best_dir=sources.get(best) if best else None,
         best_by_width=report["best_by_width"],
         pareto_bits_vs_kl=report["pareto_bits_vs_kl"],
+        supported_limits=report["supported_limits"],
     )
 
 

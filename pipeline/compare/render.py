@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .report import SCALARS, columns, recommendation, task_names, value, workloads
+from .report import SCALARS, SUPPORTED_GATES, columns, recommendation, task_names, value, workloads
 
 
 def fmt(v: Any, f: str) -> str:
@@ -103,7 +103,29 @@ def render_md(report: dict) -> str:
         "",
     ]
     lines += [*(f"{n}\n" for n in notes(rows))]
+    lines += limits_md(report)
     return "\n".join(lines)
+
+
+def limits_md(report: dict) -> list[str]:
+    """The gate limits each row's measurement supports on this model, beside the recipe's
+    own (shipped limits come from another model's run: set yours from these)."""
+    supported = report.get("supported_limits") or {}
+    gates = [g for g in SUPPORTED_GATES if any(g in v for v in supported.values())]
+    if not gates:
+        return []
+    lines = ["## Gate limits these measurements support", "",
+             f"On this model, per recipe: {report.get('supported_limits_rule', '')}; in "
+             "brackets the recipe's own limit. Set your gates from these, not from the shipped "
+             "recipes' (measured on another model).", "",
+             "| recipe | " + " | ".join(gates) + " |", "|---|" + "---:|" * len(gates)]  # fmt: skip
+    for r in report["rows"]:
+        own = {c.get("name"): c.get("limit") for c in r.get("checks") or []}
+        got = supported.get(r["name"], {})
+        cells = [f"{got[g]:g}" + (f" ({own[g]:g})" if isinstance(own.get(g), int | float) else "")
+                 if g in got else "–" for g in gates]  # fmt: skip
+        lines.append("| " + r["name"].replace("|", "\\|") + " | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def csv_header(rows: list[dict]) -> list[str]:

@@ -48,6 +48,7 @@ import re
 from typing import Any
 
 from ..errors import UsageError
+from ..recipe import GATE_FIGURES
 
 SCHEMA = "qship.compare/1"
 
@@ -315,6 +316,35 @@ def best_per_column(rows: list[dict]) -> dict[str, list[str]]:
     return out
 
 
+# The limits a measured row supports on the model it was measured on: SUPPORT_HEADROOM more
+# loss than measured (the loss: the KL itself, 1 - top-1, ppl ratio - 1), rounded up to 3
+# significant digits, so that a rerun's noise does not fail it. A team sets its gates from
+# these on its own model instead of inheriting the shipped recipes' (another model's).
+SUPPORT_HEADROOM = 0.10
+SUPPORTED_GATES = GATE_FIGURES  # gate -> (row figure, which way)
+
+
+def _round_up(x: float) -> float:
+    if x <= 0:
+        return 0.0
+    q = 10.0 ** (math.floor(math.log10(x)) - 2)
+    return round(math.ceil(round(x / q, 6)) * q, 12)
+
+
+def supported_limits(row: dict) -> dict[str, float]:
+    """Gate name -> the limit this row's measurement supports (figures it lacks: absent)."""
+    out: dict[str, float] = {}
+    for gate, (key, way) in SUPPORTED_GATES.items():
+        v = row.get(key)
+        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+            continue
+        loss = {"max": v, "min": 1 - v, "ratio": v - 1}[way]
+        room = _round_up(max(loss, 0.0) * (1 + SUPPORT_HEADROOM))
+        out[gate] = {"max": room, "min": max(0.0, 1 - room), "ratio": 1 + room}[way]
+        out[gate] = round(out[gate], 12)
+    return out
+
+
 def summarise_rows(rows: list[dict]) -> dict:
     """compare.json: rows plus the derived selections (no timestamps: same rows, same bytes)."""
     names = [r["name"] for r in rows]
@@ -337,5 +367,8 @@ def summarise_rows(rows: list[dict]) -> dict:
         "pareto_bits_vs_kl": pareto_front(rows),
         "best_per_column": best_per_column(rows),
         "fastest": fastest(rows),
+        "supported_limits": {r["name"]: supported_limits(r) for r in rows},
+        "supported_limits_rule": f"{SUPPORT_HEADROOM:.0%} more loss than measured (KL; 1 - "
+        "top-1; ppl ratio - 1), rounded up to 3 significant digits",
         "rows": rows,
     }

@@ -24,6 +24,7 @@ from ..io.cache import stage_key
 from ..io.hashing import Manifest, hash_files, list_files
 from ..io.pins import pin_path, unpinned_error, verify_against_pin
 from ..records.snapshot import Snapshot
+from .gguf_header import check_gguf
 from .snapshot import SNAPSHOT_DIR, STAGE, finish, from_cache
 from .sources import Source
 
@@ -32,12 +33,17 @@ CONVERTER = "qship-gguf-dequant-1"  # bump when the conversion's output bytes ch
 
 
 def gguf_path(src: Source, cache_dir: Path) -> tuple[Path, str, str]:
-    """(the GGUF file, repo_id, revision): a package's chunks are assembled once, in the cache."""
+    """(the GGUF file, repo_id, revision): a package's chunks are assembled once, in the cache.
+    Its header is checked against the file (exit 3, malformed) before any library reads it:
+    `plan`'s config and `fetch` both come through here."""
     if src.kind == "gguf-pkg":
         assert src.repo_id is not None
-        return _assemble_package(src.repo_id, Path(cache_dir))
-    assert src.path is not None
-    return src.path, f"gguf/{src.path.stem}", "local"
+        found = _assemble_package(src.repo_id, Path(cache_dir))
+    else:
+        assert src.path is not None
+        found = src.path, f"gguf/{src.path.stem}", "local"
+    check_gguf(found[0])
+    return found
 
 
 def fetch_gguf(

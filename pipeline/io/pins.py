@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UsageError
 from .atomic import atomic_write_text
 from .hashing import FileDigest, Manifest, compare_digests, hash_files, list_files
 
@@ -30,11 +30,37 @@ SHIPPED = Path(__file__).resolve().parent.parent / "checksums"
 
 
 def checksums_dir(explicit: Path | None = None) -> Path:
-    """The pin folder: `--checksums DIR`, else $QSHIP_CHECKSUMS, else ./checksums."""
+    """The pin folder: `--checksums DIR`, else $QSHIP_CHECKSUMS, else ./checksums. A folder
+    the user named must exist and be a folder (exit 2): a typo there would otherwise read
+    as "no pin" and take an altered model. `--checksums` is checked as the CLI reads it
+    (`require_folder`); `explicit` is a folder already chosen (the runner hands its own on
+    to fetch). The default ./checksums may be absent."""
     if explicit is not None:
         return Path(explicit)
     env = os.environ.get(ENV)
-    return Path(env) if env else Path("checksums")
+    if env:
+        return require_folder(Path(env), ENV)
+    folder = Path("checksums")
+    if folder.exists() and not folder.is_dir():
+        raise _not_a_folder("./checksums (the default pin folder)", folder)
+    return folder
+
+
+def require_folder(folder: Path, where: str) -> Path:
+    """`folder`, named by `where` (--checksums, $QSHIP_CHECKSUMS), if it is a folder."""
+    if not folder.is_dir():
+        raise _not_a_folder(where, folder)
+    return folder
+
+
+def _not_a_folder(where: str, folder: Path) -> UsageError:
+    what = "is a file, not a folder" if folder.exists() else "does not exist"
+    return UsageError(
+        f"the pin folder {folder} named by {where} {what}",
+        path=str(folder),
+        hint=f"create it (mkdir -p {folder}) or correct {where}: pins are looked up and "
+        "written (--pin) there",
+    )
 
 
 def search_dirs(first: Path) -> list[Path]:

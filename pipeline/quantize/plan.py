@@ -26,7 +26,7 @@ from ..records.plan import (
     Plan,
 )
 from .awq_mappings import derive_awq_mappings, derive_smoothquant_mappings
-from .serving import check_target, check_workloads
+from .serving import check_lengths, check_target
 from .validate import Claims, validate_for_model
 
 OTHERS = "(others)"  # the group name of Linear modules kept under `others: keep`
@@ -197,7 +197,7 @@ def build_plan(model: Any, recipe: Recipe, structure: Structure | None = None) -
     check_fused(modules, recipe)
     target_notes = check_target(modules, recipe)
     cfg_text = getattr(model.config, "get_text_config", lambda: model.config)()
-    check_workloads(recipe, getattr(cfg_text, "max_position_embeddings", None))
+    check_lengths(recipe, getattr(cfg_text, "max_position_embeddings", None))
     check_reloadable(modules, str(getattr(getattr(model, "config", None), "model_type", "")),
                      recipe)  # fmt: skip
     # whole-checkpoint size: every parameter once; quantized Linear weights packed

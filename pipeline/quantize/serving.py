@@ -21,6 +21,8 @@ fused set (q/k/v, gate/up) has one scheme, activations included, is plan.check_f
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..errors import RecipeError
 from ..recipe import Recipe
 from ..records.plan import ModulePlan
@@ -55,7 +57,7 @@ def check_target(modules: list[ModulePlan], recipe: Recipe) -> list[str]:
                           "(W4A8-INT8) run on CPUs only in vLLM",
                           "use FP8 activations (preset W4AFP8) on Hopper, or W4A16")  # fmt: skip
         if s.type == "int" and a is not None and s.bits == 4:
-            _check_w4a8(m, recipe, gi, sm)
+            _check_w4a8(m, recipe, gi, sm, [x for x in modules if x.group == m.group])
         if s.type == "int" and a is not None and s.bits == 8:
             if s.strategy == "group":
                 raise _refuse(recipe, gi, "group_size", "INT8 W8A8 weights with groups: vLLM's "
@@ -82,7 +84,9 @@ def check_target(modules: list[ModulePlan], recipe: Recipe) -> list[str]:
     return notes
 
 
-def _check_w4a8(m: ModulePlan, recipe: Recipe, gi: int, sm: int) -> None:
+def _check_w4a8(m: ModulePlan, recipe: Recipe, gi: int, sm: int, group: list[ModulePlan]) -> None:
+    """W4A8-FP8's rules, the model's widths first: no recipe field can make vLLM's kernel
+    serve a width 128 does not divide, so that refusal names the formats that can."""
     s = m.scheme
     assert s is not None and s.activations is not None
     fix = "use preset W4AFP8 (symmetric int4, group 128, FP8 per-token activations)"
@@ -90,6 +94,15 @@ def _check_w4a8(m: ModulePlan, recipe: Recipe, gi: int, sm: int) -> None:
         raise _refuse(recipe, gi, "activations", "W4A8-FP8 runs on Hopper (sm90) only "
                       "(vLLM's CUTLASS W4A8 kernel)", "serve W4A16 there, or FP8_DYNAMIC "
                       "on sm89/sm100")  # fmt: skip
+    if m.in_features % 128 or m.out_features % 128:
+        g = w4a16_group_size(x.in_features for x in group)
+        w4a16 = f"{{preset: W4A16, group_size: {g}}}" if g else "{preset: W4A16, group_size: null}"
+        raise _refuse(recipe, gi, "preset", f"W4A8-FP8 cannot serve this model: {m.name} is "
+                      f"{m.out_features} x {m.in_features}, and vLLM's W4A8 kernel needs both "
+                      "widths divisible by 128 (no group size or fallback changes that)",
+                      f"serve it as W4A16, scheme {w4a16} (recipes/gptq-w4.yaml), or as FP8 "
+                      "W8A8, preset FP8_DYNAMIC (recipes/fp8-dynamic.yaml); or keep the "
+                      "modules 128 does not divide, and their fused sets, in a W4A16 group")  # fmt: skip
     if not s.symmetric:
         raise _refuse(recipe, gi, "symmetric", "W4A8-FP8 takes no zero points", fix)
     if s.group_size != 128:
@@ -98,18 +111,42 @@ def _check_w4a8(m: ModulePlan, recipe: Recipe, gi: int, sm: int) -> None:
     if s.activations.strategy != "token" or not s.activations.dynamic:
         raise _refuse(recipe, gi, "activations.strategy", "W4A8-FP8 rounds activations "
                       "per token, dynamically", fix)  # fmt: skip
-    if m.in_features % 128 or m.out_features % 128:
-        raise _refuse(recipe, gi, "preset", f"W4A8-FP8 needs both widths divisible by 128: "
-                      f"{m.name} is {m.out_features} x {m.in_features}",
-                      "keep that module in a W4A16 group (and its fused set with it)")  # fmt: skip
     if recipe.dtype != "bfloat16":
         raise RecipeError(f"field `dtype`: W4A8-FP8 writes bfloat16 outputs only, the recipe "
                           f"has {recipe.dtype}", path=recipe.path, hint="set dtype: bfloat16")  # fmt: skip
 
 
-def check_workloads(recipe: Recipe, max_positions: int | None) -> None:
-    """Exit 2 for a served-performance workload the model cannot serve: prompt + output
-    beyond its context (config.json max_position_embeddings)."""
+def w4a16_group_size(widths: Iterable[int], largest: int = 128) -> int | None:
+    """The largest power-of-two group size up to `largest` (at least 32) that divides every
+    input width, or None (per channel)."""
+    g = largest
+    ws = list(widths)
+    while g >= 32 and any(w % g for w in ws):
+        g //= 2
+    return g if g >= 32 else None
+
+
+def check_lengths(recipe: Recipe, max_positions: int | None) -> None:
+    """Exit 2 for a length the model cannot take, beyond its context (config.json
+    max_position_embeddings), before any compute: a calibration or held-out window, a
+    long-context trial, a served-performance workload."""
+    if isinstance(max_positions, int) and max_positions > 0:
+        for field in ("calibration", "evaluation"):
+            n = getattr(recipe, field).seq_len
+            if n > max_positions:
+                raise RecipeError(f"field `{field}.seq_len`: {n}-token windows are longer than "
+                                  f"the model's context of {max_positions} tokens",
+                                  path=recipe.path, hint=f"set {field}.seq_len to at most "
+                                  f"{max_positions}")  # fmt: skip
+    lc = recipe.serve.long_context if recipe.serve is not None else None
+    long = lc.beyond(max_positions) if lc is not None else None
+    if long is not None:
+        raise RecipeError(
+            f"field `serve.long_context.lengths[{long[0]}]`: a {long[1]}-token trial is longer "
+            f"than the model's context of {max_positions} tokens",
+            path=recipe.path,
+            hint=f"list lengths up to {max_positions}, or 'max' for the model's longest",
+        )
     if recipe.serve is None or "workloads" not in recipe.serve.model_fields_set:
         return  # the default workloads are checked when performance is measured
     bad = recipe.serve.overlong(max_positions)

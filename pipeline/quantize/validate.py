@@ -135,7 +135,7 @@ def validate_for_model(recipe: Recipe, model: Any, structure: Structure | None =
             _check_width(g, gi, n, m.in_features, claims, path)
     widths = {modules[n].in_features for n in linear}
     for gi, g in enumerate(recipe.groups):
-        gs = g.scheme.group_size if g.scheme else None
+        gs = g.scheme.group_size if g.scheme and not g.scheme.w4a8 else None
         if gs and not any(w % gs == 0 for w in widths):  # a typo, not an odd width: refuse
             raise RecipeError(
                 f"field `groups[{gi}].scheme.group_size`: group size {gs} of group {g.name!r} "
@@ -167,6 +167,8 @@ def validate_for_model(recipe: Recipe, model: Any, structure: Structure | None =
 def _check_width(g: Group, gi: int, name: str, width: int, claims: Claims, path: str) -> None:
     s = g.scheme
     if s is None or not s.group_size or width % s.group_size == 0:
+        return
+    if s.w4a8:  # its kernel's width rule has no fallback: the serving check's to refuse
         return
     if s.on_indivisible == "fallback":
         claims.group_size[name] = fallback_group_size(width, s.group_size)

@@ -6,10 +6,12 @@ from .formats import PRESETS, Activations, SmoothQuant, Target
 from .loading import SHIPPED_RECIPES, find_recipe, load_recipe, parse_recipe
 from .schema import (
     CALIBRATED_METHODS,
+    GATE_FIGURES,
     GPU_METHODS,
     CalibrationConfig,
     DType,
     EvaluationConfig,
+    GateOrigin,
     Gates,
     Group,
     KVCache,
@@ -24,6 +26,6 @@ from .serving import DEFAULT_WORKLOADS, LongContext, ServeGate, SpeedGates, Work
 
 __all__ = [
     "CALIBRATED_METHODS", "GPU_METHODS", "PRESETS", "Activations", "SmoothQuant", "Target", "SHIPPED_RECIPES", "CalibrationConfig",
-    "DType", "EvaluationConfig", "Gates", "Group", "KVCache", "LongContext", "Method", "Options", "Recipe",
+    "DType", "EvaluationConfig", "GATE_FIGURES", "GateOrigin", "Gates", "Group", "KVCache", "LongContext", "Method", "Options", "Recipe",
     "DEFAULT_WORKLOADS", "Role", "Scheme", "ServeGate", "SpeedGates", "Workload", "TaskGate", "find_recipe", "load_recipe", "parse_recipe",
 ]  # fmt: skip

@@ -56,6 +56,29 @@ for _n in ("NVFP4A16", "MXFP4", "MXFP4A16", "MXFP8", "MXFP8A16"):
     REFUSED_PRESETS[_n] = REFUSED_PRESETS["NVFP4"]
 
 
+def _refuse_contradiction(name: str, preset: dict[str, Any], given: dict[str, Any]) -> None:
+    """Keys beside a preset refine it (group size, observer ...); one that changes what the
+    preset is -- the weight type or bits, activations present or not, their type -- makes
+    the preset's name a lie (`{preset: FP8_DYNAMIC, type: int}`): refused."""
+    for k in ("type", "bits"):
+        if k in given and given[k] != preset[k]:
+            raise ValueError(f"preset {name!r} has {k} {preset[k]!r}, the scheme also writes "
+                             f"{k}: {given[k]!r}; delete `{k}`, or the preset and write the "
+                             "scheme long-hand")  # fmt: skip
+    if "activations" not in given:
+        return
+    want, got = preset.get("activations"), given["activations"]
+    if (want is None) != (got is None) or (
+        # written activations replace the preset's whole: an unwritten type is the default
+        isinstance(got, dict)
+        and want is not None
+        and got.get("type", Activations.model_fields["type"].default) != want["type"]
+    ):
+        has = f"{want['type']} activations" if want else "no activation quantization"
+        raise ValueError(f"preset {name!r} has {has}, the scheme's `activations` contradicts "
+                         "it; delete `activations`, or choose the preset that has them")  # fmt: skip
+
+
 class Activations(_Strict):
     """Input activations quantized at inference, as the serving kernel does: dynamic scales
     are computed per token (or per group of a token) on the fly; static ones (strategy
@@ -117,6 +140,7 @@ class Scheme(_Strict):
                 raise ValueError(f"preset {name!r}: {REFUSED_PRESETS[key]}")
             if key not in PRESETS:
                 raise ValueError(f"preset {name!r} is not one of {', '.join(PRESETS)}")
+            _refuse_contradiction(str(name), PRESETS[key], data)
             data = {**PRESETS[key], **data}
         # a strategy without groups takes no group size unless one is written
         if data.get("strategy") in ("channel", "tensor", "block") and "group_size" not in data:

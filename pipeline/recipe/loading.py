@@ -67,6 +67,10 @@ def _fix_for(err: Any) -> str:
     if t in ("less_than_equal", "less_than"):
         return ("use a value within the bound: it is set far above what a real run needs, so "
                 "that a typo cannot exhaust memory or run for days")  # fmt: skip
+    if t == "finite_number":
+        return "write a finite number (NaN and infinity pass no comparison)"
+    if t in ("greater_than", "greater_than_equal"):
+        return "correct the value to one within the bound (outside it a limit means nothing)"
     if t.startswith("literal_error"):
         return f"use one of the allowed values ({err.get('ctx', {}).get('expected', '')})"
     return "correct the value as the message says"
@@ -118,16 +122,83 @@ def find_recipe(path: Path | str) -> Path:
     return p
 
 
-def load_recipe(path: Path | str) -> Recipe:
-    p = find_recipe(path)
+# A recipe is a page of text: bounds far above any real one (the shipped ones: < 8 KB, depth
+# < 8), so that a wrong or hostile file is refused before the parser spends memory or stack
+MAX_BYTES = 1 << 20
+MAX_DEPTH = 32
+MAX_ALIASES = 64  # YAML anchors re-used: each may expand a whole subtree (billion laughs)
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing what it would silently accept or crash on: a key
+    written twice in one mapping (the last would win), nesting deeper than MAX_DEPTH
+    (RecursionError) and more than MAX_ALIASES alias uses."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise yaml.MarkedYAMLError(None, None, f"more than {MAX_ALIASES} alias uses",
+                                           self.peek_event().start_mark)  # fmt: skip
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise yaml.MarkedYAMLError(None, None, f"nested deeper than {MAX_DEPTH} levels",
+                                       self.peek_event().start_mark)  # fmt: skip
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.MarkedYAMLError(
+                    None, None, f"key {key!r} is written twice in this mapping (first on line "
+                    f"{seen[key].line + 1}); the last value would silently win",
+                    key_node.start_mark,
+                )  # fmt: skip
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_recipe_yaml(p: Path) -> Any:
+    """The YAML data of the recipe file `p`, read within the bounds above: exit 2 naming the
+    file (and the line) for a file too large, not UTF-8, not YAML, or a key written twice."""
     try:
-        text = p.read_text(encoding="utf-8")
+        size = p.stat().st_size
+        if size > MAX_BYTES:
+            raise RecipeError(f"the recipe is {size:,} bytes, more than the {MAX_BYTES:,} a "
+                              "recipe may have", path=str(p), hint="a recipe is a page of "
+                              "YAML: check that this is the file you meant")  # fmt: skip
+        raw = p.read_bytes()
     except OSError as e:
         raise RecipeError(
             f"cannot read the recipe ({e.strerror})", path=str(p), hint="check the path"
         ) from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise RecipeError(f"line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                          f"{e.start})", path=str(p), hint="save the recipe as UTF-8"
+                          ) from None  # fmt: skip
+    try:
+        return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
-        raise RecipeError(f"not valid YAML: {e}", path=str(p), hint="fix the YAML syntax") from None
-    return parse_recipe(data, path=str(p))
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise RecipeError(f"{where}not valid YAML: {getattr(e, 'problem', None) or e}",
+                          path=str(p), hint="fix the YAML at that line") from None  # fmt: skip
+
+
+def load_recipe(path: Path | str) -> Recipe:
+    p = find_recipe(path)
+    return parse_recipe(read_recipe_yaml(p), path=str(p))

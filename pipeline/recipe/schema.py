@@ -16,7 +16,8 @@ Top-level keys (all others are an error):
                   min_expert_tokens}
     evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit, task_batch_size,
                   max_overlap}
-    gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {max_drop}}}
+    gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {max_drop}},
+                  origin: {model, source, measured: {gate: figure}, note}}
     serve        {engine, kv_cache_dtype, max_kl, min_top1, max_kl_increase, workloads,
                   repeats, seed, gates, long_context} | null (serving.py)
     smoothquant  {strength} | null         -- SmoothQuant before the rounding (INT8 W8A8)
@@ -247,7 +248,7 @@ class EvaluationConfig(_Strict):
 
 class TaskGate(_Strict):
     # the largest accuracy drop allowed, percentage points (reference - candidate)
-    max_drop: float
+    max_drop: float = Field(ge=0, le=100)
 
     @model_validator(mode="before")
     @classmethod
@@ -260,12 +261,73 @@ class TaskGate(_Strict):
         return data
 
 
+# each metric gate: the figure it holds (the compare report's row key) and which way: "max"
+# a ceiling, "min" a floor, "ratio" a ceiling on a figure whose perfect value is 1
+GATE_FIGURES = {"kl_mean_max": ("kl_mean", "max"), "kl_p99_max": ("kl_p99", "max"),
+                "top1_min": ("top1", "min"), "ppl_ratio_max": ("ppl_ratio", "ratio")}  # fmt: skip
+
+
+class GateOrigin(_Strict):
+    """Where the gate limits came from: the model and run they were measured on, and the
+    figure behind each limit. A limit is only as good as that model is like yours; the plan
+    prints this, and `qship compare` the limits your own rows support."""
+
+    # the model the limits were measured on (a Hub id or a description)
+    model: str = Field(min_length=1)
+    # where the figures are written down (bench/RESULTS.md and its section)
+    source: str = Field(min_length=1)
+    # the measured figure behind each limit, by gate name (kl_mean_max: measured mean KL)
+    measured: dict[str, float] = Field(default_factory=dict)
+    note: str = ""
+
+
 class Gates(_Strict):
-    kl_mean_max: float | None = None
-    kl_p99_max: float | None = None
-    top1_min: float | None = None
-    ppl_ratio_max: float | None = None
+    # KL in nats (>= 0), top-1 agreement a share, perplexity ratio candidate / reference
+    kl_mean_max: float | None = Field(default=None, ge=0)
+    kl_p99_max: float | None = Field(default=None, ge=0)
+    top1_min: float | None = Field(default=None, ge=0, le=1)
+    ppl_ratio_max: float | None = Field(default=None, gt=0)
     tasks: dict[str, TaskGate] = Field(default_factory=dict)
+    # not part of the recipe's hash: it explains the limits, it changes no output
+    origin: GateOrigin | None = None
+
+    @model_validator(mode="after")
+    def _origin_names_set_limits(self) -> Gates:
+        for name in self.origin.measured if self.origin else {}:
+            if name not in GATE_FIGURES or getattr(self, name) is None:
+                set_ = [g for g in GATE_FIGURES if getattr(self, g) is not None]
+                raise ValueError(f"gates.origin.measured.{name}: not a limit this recipe sets "
+                                 f"(it sets {', '.join(set_) or 'none'})")  # fmt: skip
+        return self
+
+    def margins(self) -> list[tuple[str, float, float, float]]:
+        """(gate, limit, measured, margin) for each limit with a measured figure in its
+        origin; the margin is how far the figure sits inside the limit."""
+        out = []
+        for name, measured in (self.origin.measured if self.origin else {}).items():
+            limit = float(getattr(self, name))
+            way = GATE_FIGURES[name][1]
+            out.append(
+                (name, limit, measured, measured - limit if way == "min" else limit - measured)
+            )
+        return out
+
+    def origin_lines(self) -> list[str]:
+        """What `qship plan` prints about where the limits came from."""
+        set_ = [g for g in GATE_FIGURES if getattr(self, g) is not None] + list(self.tasks)
+        if not set_:
+            return []
+        if self.origin is None:
+            return ["gates: no origin recorded; measure your model (`qship compare` prints "
+                    "the limits its rows support) before trusting them"]  # fmt: skip
+        o = self.origin
+        lines = [f"gates from {o.model} ({o.source}); set your own from `qship compare` on "
+                 "your model"]  # fmt: skip
+        lines += [f"  {n} {lim:g}: measured {m:g}, margin {mg:+.3g}"
+                  for n, lim, m, mg in self.margins()]  # fmt: skip
+        if o.note:
+            lines.append(f"  {o.note}")
+        return lines
 
 
 class Recipe(_Strict):
@@ -313,7 +375,9 @@ class Recipe(_Strict):
         return self.model_dump(mode="json")
 
     def hash(self) -> str:
-        text = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":"))
+        resolved = self.resolved()
+        resolved["gates"].pop("origin", None)  # documents the limits, changes no output
+        text = json.dumps(resolved, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def to_yaml(self) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PositiveFloat, field_validator, model_validator
 
 from .base import Strict as _Strict
 
@@ -69,15 +69,22 @@ class LongContext(_Strict):
             raise ValueError("a length is listed twice")
         return v
 
+    def beyond(self, max_positions: int | None) -> tuple[int, int] | None:
+        """(index, tokens) of the first length longer than the model's context, or None."""
+        if not isinstance(max_positions, int) or max_positions <= 0:
+            return None
+        return next(((i, x) for i, x in enumerate(self.lengths)
+                     if isinstance(x, int) and x > max_positions), None)  # fmt: skip
+
 
 class SpeedGates(_Strict):
     """Served-speed limits per workload name, relative to the 16-bit reference measured in
     the same run on the same GPU (exit 4 when missed)."""
 
     # candidate output tokens/s over the reference's, at least
-    min_speedup: dict[str, float] = Field(default_factory=dict)
+    min_speedup: dict[str, PositiveFloat] = Field(default_factory=dict)
     # candidate time to first token, p99, at most (milliseconds)
-    max_ttft_ms: dict[str, float] = Field(default_factory=dict)
+    max_ttft_ms: dict[str, PositiveFloat] = Field(default_factory=dict)
 
     def any(self) -> bool:
         return bool(self.min_speedup or self.max_ttft_ms)
