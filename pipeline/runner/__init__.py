@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .. import gate, log
 from ..data.tokens import TokenSets
-from ..errors import QshipError, UsageError
+from ..errors import QshipError, UsageError, interrupt_exit_code
 from ..io.atomic import atomic_write_text
 from ..io.pins import checksums_dir as pin_folder
 from ..recipe import Recipe, load_recipe
@@ -202,6 +202,12 @@ def _locked_run(
     except Exception as e:
         info = ErrorInfo(error=type(e).__name__, exit_code=1, message=str(e)[:2000])
         _finish(rec, ctx, reports, error=info)
+        raise
+    except KeyboardInterrupt as e:  # SIGINT / SIGTERM (errors.Interrupted): run.json says so
+        code = interrupt_exit_code(e)
+        _finish(rec, ctx, reports, error=ErrorInfo(
+            error="Interrupted", exit_code=code, message=f"interrupted ({e or 'SIGINT'}): "
+            "nothing was published; finished stages stay in the cache"))  # fmt: skip
         raise
     return rec
 
