@@ -93,15 +93,7 @@ def _block_sigint() -> None:  # a parent thread that forked with SIGINT masked
      (signal.SIGINT, _block_sigint, INTERRUPTED), (signal.SIGTERM, None, TERMINATED)],
     ids=["sigint", "sigint-inherited-ignored", "sigint-inherited-blocked", "sigterm"],
 )  # fmt: skip
-def test_a_signal_mid_download_exits_with_the_error_object(
-    sig,
-    inherited,
-    code,
-    hub,
-    tiny_repo,
-    rtn_recipe,
-    tmp_path,  # noqa: F811
-):
+def test_a_signal_mid_download_exits_with_the_error_object(sig, inherited, code, hub, tiny_repo, rtn_recipe, tmp_path):  # noqa: F811, E501  # fmt: skip
     """SIGINT (130) or SIGTERM (143, a CI job cancelled) mid-run: one JSON object naming it,
     run.json with the stage it stopped in, no artifact and no cache entry -- also when qship
     inherited SIGINT ignored or blocked (started in the background by make or a CI script:
@@ -157,6 +149,27 @@ def test_out_below_a_file_or_being_written_exits_2_before_any_compute(
         rc, err = run_cli(capsys, *base, "--out", str(out))
     assert rc == 2 and "another qship run" in err["message"]
     assert not out.exists() and not (tmp_path / "cache" / "quantize").exists()
+
+
+def test_a_failed_stage_is_in_run_json_with_its_time_and_error(
+    tiny_llama, rtn_recipe, tmp_path, capsys, monkeypatch
+):
+    """The recipe stage fails (the GPU is too small): run.json has its row with the time
+    it ran and the error, not `"stages": []`."""
+    from cli_run import qship as run_cli
+
+    from pipeline.model import devices
+
+    monkeypatch.setattr(devices, "free_gpu_bytes", lambda device: 1_000_000)
+    rc, err = run_cli(capsys, "run", "--model", str(tiny_llama), "--recipe", str(rtn_recipe),
+                      "--out", str(tmp_path / "art"), "--device", "cuda",
+                      "--cache-dir", str(tmp_path / "cache"))  # fmt: skip
+    assert rc == 2 and "GPU memory" in err["message"]
+    rec = json.loads((tmp_path / "art.report" / "run.json").read_text())
+    assert [r["stage"] for r in rec["stages"]] == ["recipe"]
+    row = rec["stages"][0]
+    assert row["seconds"] > 0 and row["error"].startswith("UsageError (exit 2): ")
+    assert "GPU memory" in row["error"] and rec["error"]["exit_code"] == 2
 
 
 def test_plan_through_a_pipe_is_a_short_summary_and_the_table_is_whole(tiny_gemma, tmp_path):
