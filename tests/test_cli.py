@@ -145,10 +145,31 @@ def test_out_below_a_file_or_being_written_exits_2_before_any_compute(
     rc, err = run_cli(capsys, *base, "--out", str(blocker / "art"))
     assert rc == 2 and "is a file" in err["message"]
     out = tmp_path / "art"
-    with out_lock(out, tmp_path / "cache"):  # another run holds this --out
+    with out_lock(out):  # another run holds this --out
         rc, err = run_cli(capsys, *base, "--out", str(out))
     assert rc == 2 and "another qship run" in err["message"]
     assert not out.exists() and not (tmp_path / "cache" / "quantize").exists()
+
+
+def test_one_out_is_one_lock_however_it_is_written_and_whatever_the_cache(
+    tiny_llama, rtn_recipe, tmp_path, capsys
+):
+    """`o3/art` and `o3/x/../art` (and a symlink to o3) are one --out; a run with another
+    --cache-dir meets the first at the lock (exit 2) before any compute."""
+    from cli_run import qship as run_cli
+
+    from pipeline.runner import out_lock
+
+    (tmp_path / "o3" / "x").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "o3")
+    base = ["run", "--model", str(tiny_llama), "--recipe", str(rtn_recipe), "--device", "cpu"]
+    with out_lock(tmp_path / "o3" / "art"):
+        for i, out in enumerate([tmp_path / "o3" / "x" / ".." / "art", tmp_path / "link" / "art"]):
+            rc, err = run_cli(capsys, *base, "--out", str(out), "--cache-dir",
+                              str(tmp_path / f"other-cache-{i}"))  # fmt: skip
+            assert rc == 2 and "another qship run" in err["message"], err
+            assert not (tmp_path / f"other-cache-{i}" / "quantize").exists()
+    assert not (tmp_path / "o3" / "art").exists()
 
 
 def test_a_failed_stage_is_in_run_json_with_its_time_and_error(

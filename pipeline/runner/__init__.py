@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -66,6 +65,7 @@ __all__ = [
 ]  # fmt: skip
 
 REPORT_SUFFIX = ".report"
+OUT_LOCK = ".out.lock"  # in the report folder: held by the run writing this --out
 
 
 def report_dir_for(out: Path) -> Path:
@@ -117,10 +117,12 @@ def existing_artifact(out: Path, recipe: Recipe) -> Provenance | None:
 
 
 @contextlib.contextmanager
-def out_lock(out: Path, cache_dir: Path) -> Iterator[None]:
-    """One run per --out at a time: a second exits 2 at once instead of racing the first."""
-    key = hashlib.sha256(str(out.absolute()).encode()).hexdigest()[:24]
-    path = Path(cache_dir) / ".locks" / f"out-{key}.lock"
+def out_lock(out: Path) -> Iterator[None]:
+    """One run per --out at a time: a second exits 2 at once, before any compute, instead
+    of racing the first to package. The lock is keyed on the resolved path (`o/art` and
+    `o/x/../art`, or a symlinked folder, are one --out) and lives in its report folder, so
+    runs with different --cache-dir meet at it too."""
+    path = report_dir_for(Path(out).resolve()) / OUT_LOCK
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
         try:
@@ -169,7 +171,7 @@ def run(
     if gpu_memory is not None and gpus:
         raise UsageError("--gpu-memory holds this process, not torchrun's ranks", path="--gpus",
                          hint="drop one of --gpu-memory and --gpus")  # fmt: skip
-    with out_lock(out, cache_dir):
+    with out_lock(out):
         return _locked_run(model, recipe_path, recipe, out, cache_dir=cache_dir,
                            publish_to=publish_to, sign_key=sign_key, device=device,
                            allow_pickle=allow_pickle, checksums_dir=checksums_dir,
