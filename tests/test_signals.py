@@ -65,3 +65,24 @@ def test_the_handlers_are_put_back_and_an_inherited_ignore_is_overridden():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_an_interrupt_while_files_hash_in_threads_stops_the_workers(tmp_path):
+    """The main thread waits for the pool; the interrupt lands there, and the workers stop
+    at their next chunk instead of hashing their files to the end first."""
+    from pipeline.io.hashing import CHUNK, hash_files
+
+    chunks = 16
+    for name in ("a.bin", "b.bin"):
+        (tmp_path / name).write_bytes(b"\0" * (chunks * CHUNK))
+    seen: list[int] = []
+
+    def slow(n: int) -> None:  # the first chunk sends the signal; each takes 50 ms
+        if not seen:
+            os.kill(os.getpid(), signal.SIGINT)
+        seen.append(n)
+        time.sleep(0.05)
+
+    with interrupts_raise(), pytest.raises(Interrupted):
+        hash_files(tmp_path, ["a.bin", "b.bin"], workers=2, on_bytes=slow, readahead=False)
+    assert len(seen) < chunks, f"{len(seen)} of {2 * chunks} chunks hashed after the interrupt"
