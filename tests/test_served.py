@@ -226,6 +226,9 @@ def test_the_served_check_cannot_pass_on_a_garbage_measured_file(
         ev = json.loads((bad / "eval.json").read_text())
         ev["measured"]["sha256"] = sha256_file(f).sha256
         (bad / "eval.json").write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
+        prov = json.loads((bad / "provenance.json").read_text())  # and provenance's hash of it
+        prov["records"]["eval.json"] = sha256_file(bad / "eval.json").sha256
+        (bad / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
     _resum(bad)
     rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu")
     assert rc == 3, err
