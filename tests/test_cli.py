@@ -125,6 +125,7 @@ def test_a_signal_mid_download_exits_with_the_error_object(sig, inherited, code,
     assert err["exit_code"] == code and sig.name in err["message"] and err["signal"] == sig.name
     assert not out.exists()
     assert not (cache / "fetch").is_dir() or not any((cache / "fetch").iterdir())
+    assert not [p for p in cache.rglob(".*") if p.name != ".locks"]  # no partial folder
     rec = json.loads((tmp_path / "art.report" / "run.json").read_text())
     assert rec["error"]["exit_code"] == code and rec["artifact"] is None
     assert [r["stage"] for r in rec["stages"]] == ["recipe", "fetch"]

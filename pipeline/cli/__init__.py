@@ -147,8 +147,9 @@ def _interrupted(as_json: bool) -> int:
     code, name = signal_exit_code(), signal_name()
     what = "terminated" if name == "SIGTERM" else "interrupted"
     msg = f"{what} ({name}): nothing was published; finished stages stay in the cache"
-    _fail({"error": "Interrupted", "exit_code": code, "message": msg, "signal": name}, msg,
-          as_json)  # fmt: skip
+    hint = "run the same command again: it resumes from the stage cache"
+    _fail({"error": "Interrupted", "exit_code": code, "message": msg, "signal": name,
+           "path": None, "hint": hint}, msg, as_json)  # fmt: skip
     return code
 
 
