@@ -194,6 +194,23 @@ def test_a_failed_stage_is_in_run_json_with_its_time_and_error(
     assert "GPU memory" in row["error"] and rec["error"]["exit_code"] == 2
 
 
+def test_a_refused_existing_out_is_in_run_json(tiny_llama, rtn_recipe, tmp_path, capsys):
+    """An --out that is not this command's artifact is refused (exit 2) before any stage;
+    run.json says so rather than keeping an earlier run's record."""
+    from cli_run import qship as run_cli
+
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "notes.txt").write_text("not an artifact\n")
+    (tmp_path / "art.report").mkdir()
+    (tmp_path / "art.report" / "run.json").write_text('{"stale": true}')
+    rc, err = run_cli(capsys, "run", "--model", str(tiny_llama), "--recipe", str(rtn_recipe),
+                      "--out", str(out), "--device", "cpu", "--cache-dir", str(tmp_path / "c"))  # fmt: skip
+    assert rc == 2 and "is not a qship artifact" in err["message"]
+    rec = json.loads((tmp_path / "art.report" / "run.json").read_text())
+    assert rec["error"]["exit_code"] == 2 and "is not a qship artifact" in rec["error"]["message"]
+
+
 def test_plan_through_a_pipe_is_a_short_summary_and_the_table_is_whole(tiny_gemma, tmp_path):
     recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "gemma-mixed-w4.yaml")
     p = cli("plan", "--model", str(tiny_gemma), "--recipe", recipe, "--device", "cpu", cwd=tmp_path)

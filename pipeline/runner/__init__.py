@@ -185,7 +185,6 @@ def _locked_run(
     checksums_dir: Path | None, require_pin: bool, offload: str, gpus: int,
     torchrun_args: tuple[str, ...], gpu_memory: int | None,
 ) -> RunRecord:  # fmt: skip
-    prior = existing_artifact(out, recipe)
     ctx = Context(Path(cache_dir), device=device, checksums_dir=pin_folder(checksums_dir),
                   require_pin=require_pin, offload=offload, gpus=gpus,
                   torchrun_args=torchrun_args, gpu_memory=gpu_memory)  # fmt: skip
@@ -193,6 +192,7 @@ def _locked_run(
     rec = RunRecord(model=model, recipe=str(recipe_path), recipe_name=recipe.name,
                     report_dir=reports)  # fmt: skip
     try:
+        prior = existing_artifact(out, recipe)  # refused (exit 2): run.json says so too
         if prior is not None:
             rec = _reuse(model, recipe, out, prior, reports, ctx, rec, publish_to, allow_pickle)
         else:
