@@ -5,6 +5,7 @@
     4 quality gate failed
     5 transient failure (network unreachable, timeout, HTTP 429/5xx after retries, a lock
       held too long, the disk full): the same command may succeed later -- CI jobs retry on it
+    130 interrupted (SIGINT, Ctrl-C) · 143 terminated (SIGTERM: a CI job cancelled or timed out)
 
 Messages name the file, the field or module, expected vs actual, and the fix.
 """
@@ -88,3 +89,23 @@ class TransientError(QshipError):
 class DiskFull(TransientError):
     """No space (or quota, or file-size limit) left while writing a result; what was being
     written is removed, so the same command can pass once space is freed."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal that ends the command (`pipeline.cli` raises it from its handlers): SIGINT
+    exits 130, SIGTERM 143 (the shell's 128 + signal). A KeyboardInterrupt, so every
+    cleanup that a Ctrl-C runs (temp folders removed, children terminated) runs for both,
+    and no `except Exception` can turn it into a retry."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+        super().__init__(self.name)
+
+
+def interrupt_exit_code(err: BaseException) -> int:
+    """130 for a plain KeyboardInterrupt, else its signal's code."""
+    return getattr(err, "exit_code", 130)

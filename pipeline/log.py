@@ -36,6 +36,7 @@ _detail.setLevel(logging.INFO)
 PLAIN_EVERY_S = float(os.environ.get("QSHIP_PROGRESS_EVERY", "60"))
 _last_line = time.monotonic()  # when qship last printed a line of its own
 _beating: list[object] = []  # the heartbeats running, innermost last
+CHILD_GRACE_S = 10.0  # how long an interrupted child may take to exit after SIGTERM
 
 
 def console() -> Console:
@@ -84,7 +85,8 @@ def run_child(cmd: list[str], *, label: str, env: dict[str, str] | None = None,
     """Run a child process with its output (stdout and stderr) copied line by line to this
     process's stderr -- the log file while `third_party_to` is active, the terminal with -v
     -- and a heartbeat while it runs. -> (exit code, the last 200 lines of its output).
-    subprocess.TimeoutExpired after `timeout` seconds (the child is killed)."""
+    subprocess.TimeoutExpired after `timeout` seconds; then, or when this process is
+    interrupted (SIGINT, SIGTERM), the child is stopped (`stop_child`) before it raises."""
     import collections
     import subprocess
 
@@ -104,14 +106,28 @@ def run_child(cmd: list[str], *, label: str, env: dict[str, str] | None = None,
         reader.start()
         try:
             rc = proc.wait(timeout=timeout)
-        except BaseException:
-            proc.kill()
-            proc.wait()
+        except BaseException:  # interrupted (SIGINT/SIGTERM), timed out: the child goes too
+            stop_child(proc)
             raise
         finally:
             reader.join(timeout=10)
     sys.stderr.flush()
     return rc, "".join(tail)
+
+
+def stop_child(proc: Any, grace_s: float = CHILD_GRACE_S) -> None:
+    """SIGTERM to a child (vLLM frees its GPU memory and its own workers on it), SIGKILL
+    after `grace_s` seconds if it is still there."""
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def detail(text: str) -> None:

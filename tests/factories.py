@@ -149,6 +149,15 @@ def resum(art: Path) -> None:
     )
 
 
+def reseal(art: Path, *records: str) -> None:
+    """Re-hash `records` into provenance.json and rewrite SHA256SUMS: a forgery that left
+    the artifact's own hashes consistent, so a check beyond them is what must fail."""
+    prov = json.loads((art / "provenance.json").read_text())
+    prov["records"].update({r: sha256_file(art / r).sha256 for r in records})
+    (art / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
+    resum(art)
+
+
 def ec_keypair(dir: Path, name: str) -> tuple[Path, Path]:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec

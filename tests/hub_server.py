@@ -16,8 +16,9 @@ Unknown repos / revisions / files answer 404 with the Hub's X-Error-Code header.
 `corrupt(sha256)` makes the CDN serve that object with one byte flipped while every
 header and the API still advertise the true sha256 and size. `fault(prefix, kind, times)`
 makes the next `times` requests whose path starts with `prefix` fail the way networks do:
-`status` (e.g. 503, or 429 with Retry-After), `stall` (answer after `seconds`), `truncate`
-(full Content-Length, half the body, then the connection closes).
+`status` (e.g. 503, or 429 with Retry-After), `stall` (answer after `seconds`), `hold`
+(answer only once the server stops: a download that hangs until the test is done, with no
+timer to race), `truncate` (full Content-Length, half the body, then the connection closes).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class HubFile:
 @dataclass
 class Fault:
     prefix: str
-    kind: str  # "status" | "stall" | "truncate"
+    kind: str  # "status" | "stall" | "hold" | "truncate"
     times: int
     status: int = 503
     retry_after: int | None = None
@@ -84,6 +85,7 @@ class HubServer:
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self.lock = threading.Lock()
+        self.stopping = threading.Event()  # releases the requests a `hold` fault keeps
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.hub = self  # type: ignore[attr-defined]
@@ -99,6 +101,7 @@ class HubServer:
         return self
 
     def stop(self) -> None:
+        self.stopping.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(timeout=5)
@@ -241,6 +244,9 @@ class _Handler(BaseHTTPRequestHandler):
             import time
 
             time.sleep(fault.seconds)
+        if fault is not None and fault.kind == "hold":
+            self.hub.stopping.wait()
+            return
         self.truncate = fault is not None and fault.kind == "truncate"
         try:
             if parts[:2] == ["api", "models"] and len(parts) >= 4:

@@ -208,4 +208,5 @@ def test_plan_and_run_read_the_hub_config_before_any_weight(hub, tiny_repo, tmp_
     assert rc == 2 and "groups[2].roles" in err["message"]
     assert hub.count("GET", "/cdn/") == 0 and not (tmp_path / "c" / "fetch").exists()
     run = json.loads((tmp_path / "out.report" / "run.json").read_text())
-    assert [s["stage"] for s in run["stages"]] == [] and run["error"]["exit_code"] == 2
+    assert [s["stage"] for s in run["stages"]] == ["recipe"] and run["error"]["exit_code"] == 2
+    assert "groups[2].roles" in run["stages"][0]["error"]  # the failed stage, with its error

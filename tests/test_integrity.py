@@ -84,6 +84,21 @@ def test_an_altered_evaluation_record_is_not_reused(first_run, capsys):
     assert ev["metrics"]["kl"]["mean"] == true_kl > 0
 
 
+def test_a_reused_out_whose_weights_were_altered_and_resummed_is_exit_3(first_run, capsys):
+    """The same `qship run` again on its own --out reuses it only when the artifact's
+    records agree: lm_head negated and SHA256SUMS rewritten is exit 3 naming the weight
+    file, not a reuse that ships it."""
+    from test_verify import negate_head, resum
+
+    tmp, cache, args = first_run
+    shard = negate_head(tmp / "a")
+    resum(tmp / "a")
+    rc, err = qship(capsys, *args, "--out", str(tmp / "a"))
+    assert rc == INTEGRITY, err
+    assert err["path"].endswith(shard) and "quantized_model_hash" in err["message"]
+    assert err["result"]["artifact"] is None
+
+
 def _tiny_with(tmp: Path, tiny: Path, **config) -> Path:
     import json
     import shutil

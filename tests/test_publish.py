@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FAILING_GATES, gated
-from factories import ec_keypair, recipe, resum
+from factories import ec_keypair, recipe, reseal
 
 from pipeline.artifact.package import package
 from pipeline.artifact.publish import publish
@@ -69,8 +69,9 @@ def test_local_registry_publish_idempotent_and_no_overwrite(packaged_artifact, t
     # a different artifact under an existing version: refused, registry untouched
     other = tmp_path / "other"
     shutil.copytree(packaged_artifact, other)
-    (other / "README.md").write_text("different card\n")
-    resum(other)
+    card = (other / "README.md").read_text()
+    (other / "README.md").write_text(card + "\nA different card.\n")
+    reseal(other, "README.md")  # a valid artifact: its provenance records this card
     before = registry_state(reg)
     rc, err = cli(
         ["publish", str(other), "--to", f"file://{reg}", "--version", version, "--name", name],

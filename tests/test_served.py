@@ -71,19 +71,23 @@ def test_run_serves_and_stores_what_it_measured(served_artifact):
 
 
 def altered(art: Path, dest: Path) -> Path:
-    """A copy of `art` with one layer's scales altered and SHA256SUMS re-written to match:
-    every integrity check still holds."""
+    """A copy of `art` with one layer's scales altered, and provenance's model hash and
+    SHA256SUMS re-written to match: every integrity check still holds."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from pipeline.io.hashing import format_sha256sums, hash_files, list_files
+    from pipeline.model.files import model_hash
 
     bad = shutil.copytree(art, dest)
     w = load_file(str(bad / "model.safetensors"))
     for name in [k for k in w if k.endswith("mlp.down_proj.weight_scale")]:
         w[name] = w[name] * 1.5
     save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    prov = json.loads((bad / "provenance.json").read_text())
+    prov["quantized_model_hash"] = model_hash(hash_files(bad, list_files(bad)))
+    (bad / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
     sums = {r: d.sha256 for r, d in hash_files(bad, list_files(bad)).items() if r != "SHA256SUMS"}
     (bad / "SHA256SUMS").write_text(format_sha256sums(sums))
     return bad
@@ -95,7 +99,7 @@ def test_verify_serve_passes_then_catches_altered_weights(served_artifact, tmp_p
     assert rc == 0 and rep["served"]["passed"], rep
     bad = altered(art, tmp_path / "bad")
     rc, ok = qship(capsys, "verify", str(bad))
-    assert rc == 0, ok  # checksums and headers cannot tell
+    assert rc == 0, ok  # checksums, headers and the artifact's own hashes cannot tell
     rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu")
     assert rc == GATE_FAILED, err
     assert "served model differs from the measured one" in err["message"]
@@ -271,6 +275,9 @@ def test_the_served_check_cannot_pass_on_a_garbage_measured_file(
         ev = json.loads((bad / "eval.json").read_text())
         ev["measured"]["sha256"] = sha256_file(f).sha256
         (bad / "eval.json").write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
+        prov = json.loads((bad / "provenance.json").read_text())  # and provenance's hash of it
+        prov["records"]["eval.json"] = sha256_file(bad / "eval.json").sha256
+        (bad / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
     _resum(bad)
     rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu")
     assert rc == 3, err

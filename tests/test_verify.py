@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import ec_keypair, resum
+from factories import ec_keypair, reseal, resum
 
 from pipeline.artifact.signing import SIGNATURE, sign_artifact
 from pipeline.artifact.verify import verify
@@ -282,6 +282,81 @@ def test_index_pointing_at_the_wrong_shard(packaged_artifact, tmp_path, capsys):
     assert rc == 3 and "model.safetensors.index.json" in out["path"]
 
 
+# ------------------------------------------------------------------ records against each other
+
+
+def negate_head(art: Path) -> str:
+    """lm_head negated in whichever weight file holds it; -> that file's name."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(art.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            if "lm_head.weight" not in fh.keys():
+                continue
+        sd = load_file(str(f))
+        sd["lm_head.weight"] = -sd["lm_head.weight"]
+        save_file(sd, str(f), metadata={"format": "pt"})
+        return f.name
+    raise AssertionError(f"no lm_head.weight in {art}")
+
+
+def _weights(art: Path) -> tuple[str, str]:
+    rel = negate_head(art)
+    resum(art)
+    return rel, "quantized_model_hash"
+
+
+def _recipe_gate(art: Path) -> tuple[str, str]:
+    text = (art / "recipe.yaml").read_text()
+    assert "kl_mean_max: 5.0" in text
+    (art / "recipe.yaml").write_text(text.replace("kl_mean_max: 5.0", "kl_mean_max: 500.0"))
+    reseal(art, "recipe.yaml")  # its file hash re-recorded: the recipe hash still disagrees
+    return "recipe.yaml", "not the recipe hash"
+
+
+def _card_figure(art: Path) -> tuple[str, str]:
+    lines = (art / "README.md").read_text().splitlines(keepends=True)
+    (i,) = [i for i, ln in enumerate(lines) if ln.startswith("| KL(reference ‖ quantized)")]
+    lines[i] = "| KL(reference ‖ quantized), mean ± stderr | 0.0001 ± 0.0001 |\n"
+    (art / "README.md").write_text("".join(lines))
+    reseal(art, "README.md")  # its file hash re-recorded: the figures still disagree
+    return "README.md", "figures differ from eval.json"
+
+
+def _eval_figure(art: Path) -> tuple[str, str]:
+    ev = json.loads((art / "eval.json").read_text())
+    ev["metrics"]["kl"]["mean"] = 0.0
+    (art / "eval.json").write_text(json.dumps(ev, indent=2, sort_keys=True) + "\n")
+    resum(art)
+    return "eval.json", "recorded in provenance.json"
+
+
+def _provenance_recipe_hash(art: Path) -> tuple[str, str]:
+    prov = json.loads((art / "provenance.json").read_text())
+    prov["recipe"]["hash"] = "0" * 64
+    (art / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
+    resum(art)
+    return "recipe.yaml", "not the recipe hash"
+
+
+@pytest.mark.parametrize(
+    "edit", [_weights, _recipe_gate, _card_figure, _eval_figure, _provenance_recipe_hash],
+    ids=["weights", "recipe-gates", "card-figures", "eval-figures", "provenance-recipe-hash"],
+)  # fmt: skip
+def test_a_record_edited_and_resummed_is_exit_3_naming_it(
+    packaged_artifact, tmp_path, capsys, edit
+):
+    """SHA256SUMS rewritten to match (and, for the card and the recipe, provenance's file
+    hash too): the artifact's records still disagree with one another, and verify names
+    the file that does."""
+    art = copy(packaged_artifact, tmp_path)
+    rel, said = edit(art)
+    rc, out = cli_verify(art, capsys=capsys)
+    assert rc == 3 and out["path"].endswith(rel), out
+    assert said in out["message"] and "record cross-check" in out["message"], out["message"]
+
+
 # ------------------------------------------------------------------ signatures
 
 
@@ -342,7 +417,7 @@ def test_load_smoke_test(packaged_artifact, tmp_path, capsys):
     ev = json.loads((art / "eval.json").read_text())
     ev["probe"]["top_logits"][0][0] += 1.0
     (art / "eval.json").write_text(json.dumps(ev))
-    resum(art)
+    reseal(art, "eval.json")  # provenance re-hashed too: only the probe can tell
     with pytest.raises(IntegrityError) as e:
         verify(art, load=True)
     assert "probe mismatch" in e.value.message and "eval.json" in e.value.path

@@ -109,6 +109,30 @@ def quant_tags(quantization_config: dict[str, Any]) -> list[str]:
     return sorted(tags)
 
 
+def figures(ev: EvalFile) -> list[str]:
+    """The card's blocks rendered from eval.json alone (the gate and the results, the
+    served check, the served speed), each as the card has it: `qship verify` re-renders
+    them from the artifact's eval.json and requires each in README.md."""
+    blocks = (_gate(ev) + _results(ev), _served(ev), _perf(ev))
+    return ["\n".join(b) for b in blocks if b]
+
+
+def _gate(ev: EvalFile) -> list[str]:
+    v = ev.verdict
+    if v is None:
+        return []
+    lines = [f"## Quality gate: {'PASSED' if v.passed else 'FAILED'}", ""]
+    if v.checks:
+        lines += ["| check | value | limit | passed |", "|---|---|---|---|"]
+        for ch in v.checks:
+            lines.append(
+                f"| {_fmt(ch.name)} | {_fmt(ch.value)} | {ch.op} {_fmt(ch.limit)} "
+                f"| {_fmt(ch.passed)} |"
+            )
+        lines.append("")
+    return lines
+
+
 def _results(ev: EvalFile) -> list[str]:
     m, c = ev.metrics, ev.corpus
     rows = [
@@ -187,18 +211,7 @@ def render(
                   "the figures below are computed that way. An engine that computes q × scale "
                   "exactly serves slightly other weights.", ""]  # fmt: skip
     lines += [reference_text(source), ""]
-    v = evaluation.verdict
-    if v is not None:
-        lines += [f"## Quality gate: {'PASSED' if v.passed else 'FAILED'}", ""]
-        if v.checks:
-            lines += ["| check | value | limit | passed |", "|---|---|---|---|"]
-            for ch in v.checks:
-                lines.append(
-                    f"| {_fmt(ch.name)} | {_fmt(ch.value)} | {ch.op} {_fmt(ch.limit)} "
-                    f"| {_fmt(ch.passed)} |"
-                )
-            lines.append("")
-    lines += _results(evaluation)
+    lines += _gate(evaluation) + _results(evaluation)
     kv = quantization_config.get("kv_cache_scheme")
     lines += [
         "## Use",

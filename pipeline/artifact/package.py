@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..io.atomic import atomic_dir, remove_stale_partials
-from ..io.hashing import format_sha256sums, hash_files
+from ..io.hashing import format_sha256sums, hash_files, sha256_file
 from ..model.checkpoint import text_config
 from ..model.files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_KEYS
 from ..recipe import Recipe
@@ -43,8 +43,8 @@ from ..records.verdict import Verdict
 from . import model_card
 from .probe import fingerprint, probe_ids
 from .provenance import PROVENANCE, build_provenance
-from .signing import SIGNATURE, sign_artifact
-from .verify import SUMS, check_records, check_sums, check_weights
+from .signing import sign_artifact
+from .verify import SUMS, check_cross, check_records, check_sums, check_weights
 from .weights import DEFAULT_SHARD_SIZE, source_weights, write_weights
 
 COPIED = (*CONFIG_FILES, *TOKENIZER_FILES)
@@ -156,6 +156,8 @@ def package(
             ),
             encoding="utf-8",
         )
+        rels = [p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()]
+        digests = hash_files(tmp, rels)  # everything but provenance.json and SHA256SUMS
         steps["package_s"] = round(time.perf_counter() - t_start, 3)
         prov = build_provenance(
             name=name,
@@ -167,17 +169,18 @@ def package(
             quantize_key=quantize_key,
             served=evaluation.served,
             timings={**(timings or {}), **{f"package.{k}": v for k, v in steps.items()}},
+            artifact_files=digests,
         )
         (tmp / PROVENANCE).write_text(json.dumps(prov.to_json(), indent=2, sort_keys=True) + "\n")
-        rels = [p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()]
-        digests = hash_files(tmp, [r for r in rels if r not in (SUMS, SIGNATURE)])
-        sums = {r: d.sha256 for r, d in digests.items()}
+        digests[PROVENANCE] = sha256_file(tmp / PROVENANCE)
+        sums = {r: d.sha256 for r, d in sorted(digests.items())}
         (tmp / SUMS).write_text(format_sha256sums(sums))
         # the artifact must pass its own gate before it may exist under its final name
         checks: list[str] = []
         check_sums(tmp, checks)
         check_records(tmp, checks)
         check_weights(tmp, checks)
+        check_cross(tmp, sums, checks)
         if sign_key is not None:
             sign_artifact(tmp, Path(sign_key), sign_password)
     return Artifact(

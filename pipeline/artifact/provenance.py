@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..io.cache import library_versions
 from ..io.hashing import FileDigest
+from ..model.files import model_hash
 from ..recipe import Recipe
 from ..records.artifact import (
     Provenance,
@@ -22,6 +23,8 @@ from ..records.served import ServedCheck
 from ..records.snapshot import Snapshot
 
 PROVENANCE = "provenance.json"
+# the artifact's own records, hashed into provenance.json at package time (verify compares)
+RECORD_FILES = ("eval.json", "README.md", "recipe.yaml")
 
 PIPELINE_DIR = Path(__file__).resolve().parents[1]
 
@@ -63,7 +66,10 @@ def build_provenance(
     quantize_key: str | None = None,
     timings: dict[str, float] | None = None,
     served: ServedCheck | None = None,
+    artifact_files: dict[str, FileDigest] | None = None,
 ) -> Provenance:
+    """`artifact_files`: the digests of the artifact's files written so far (all but
+    provenance.json and SHA256SUMS): its model hash and its records' hashes."""
     src = None
     if source is not None:
         src = SourceProvenance(
@@ -100,4 +106,6 @@ def build_provenance(
         verdict_passed=verdict_passed,
         served=served,
         timings=timings or {},
+        quantized_model_hash=model_hash(artifact_files) if artifact_files else None,
+        records={r: d.sha256 for r, d in (artifact_files or {}).items() if r in RECORD_FILES},
     )

@@ -13,7 +13,11 @@ exit 3, whose `path` is the first offending file and whose message lists them al
 4. the weights against config.json: the shared checkpoint validator
    (pipeline.model.checkpoint, which quantize's post-save check uses too);
 5. the signature when `model.sig` exists and a public key is given, or when required;
-6. with `load=True`, a smoke test: load with transformers, run the stored probe and compare
+6. the records against each other (a file edited and re-summed): recipe.yaml hashes to
+   provenance's recipe hash, the model files to its quantized_model_hash, eval.json /
+   README.md / recipe.yaml to the sha256 it recorded, and the model card's figures are
+   eval.json's, re-rendered (model_card.figures);
+7. with `load=True`, a smoke test: load with transformers, run the stored probe and compare
    it with the fingerprint in eval.json (probe.py).
 """
 
@@ -23,14 +27,17 @@ import os
 import stat
 from pathlib import Path
 
-from ..errors import IntegrityError, UsageError
-from ..io.hashing import hash_files, parse_sha256sums
+from ..errors import IntegrityError, QshipError, UsageError
+from ..io.hashing import FileDigest, hash_files, parse_sha256sums
 from ..io.problems import Problems, read_json_object
 from ..model.checkpoint import inspect_checkpoint
-from ..model.files import TOKENIZER_KEYS
+from ..model.files import TOKENIZER_KEYS, is_model_file, model_hash
+from ..recipe import load_recipe
 from ..records.artifact import Provenance, VerifyReport
 from ..records.evaluation import EvalFile
+from . import model_card
 from .probe import compare_fingerprint, probe_logits
+from .provenance import PROVENANCE, RECORD_FILES
 from .signing import SIGNATURE, check_signature
 
 SUMS = "SHA256SUMS"
@@ -145,6 +152,58 @@ def check_weights(root: Path, checks: list[str]) -> int:
     return insp.tensors
 
 
+def check_cross(root: Path, listed: dict[str, str], checks: list[str]) -> None:
+    """The artifact's records against each other, so that a file edited and re-summed
+    fails: recipe.yaml against provenance's recipe hash, the weights against its model
+    hash, eval.json / README.md / recipe.yaml against the hashes it recorded, and the
+    card's figures against eval.json (re-rendered from it)."""
+    prov, ev = read_provenance(root), read_eval(root)
+    p = Problems(root, hint=HINT)
+    _cross_recipe(root, prov, p)
+    files = {r: FileDigest(sha, 0) for r, sha in listed.items()}
+    if prov.quantized_model_hash is None:
+        p.add(PROVENANCE, "records no hash of the packaged model files (quantized_model_hash): "
+              "packaged by an older qship, nothing ties the weights to the evaluation")  # fmt: skip
+    elif (got := model_hash(files)) != prov.quantized_model_hash:
+        shards = ", ".join(r for r in sorted(files) if is_model_file(r))
+        p.add(_first_weight(listed), f"the model files ({shards}) hash to {got}, not the "
+              f"quantized_model_hash {prov.quantized_model_hash} in {PROVENANCE}: the weights, "
+              "config or tokenizer were changed after packaging")  # fmt: skip
+    for rel in RECORD_FILES:
+        want = prov.records.get(rel)
+        if want is None:
+            p.add(PROVENANCE, f"records no sha256 of {rel} (packaged by an older qship?)")
+        elif listed.get(rel) != want:
+            p.add(rel, f"sha256 {listed.get(rel)} != {want} recorded in {PROVENANCE}: "
+                  "changed after packaging")  # fmt: skip
+    card = (root / "README.md").read_text(encoding="utf-8", errors="replace")
+    for block in model_card.figures(ev):
+        if block not in card:
+            head = block.splitlines()[0]
+            p.add("README.md", f"the model card's figures differ from eval.json's (the block "
+                  f"{head!r} re-rendered from eval.json is not in it)")  # fmt: skip
+    p.raise_if_any("record cross-check")
+    checks.append("recipe.yaml, the weights, eval.json and README.md agree with "
+                  f"{PROVENANCE}; the model card's figures are eval.json's")  # fmt: skip
+
+
+def _cross_recipe(root: Path, prov: Provenance, p: Problems) -> None:
+    try:
+        got = load_recipe(root / "recipe.yaml").hash()
+    except QshipError as e:
+        p.add("recipe.yaml", f"not a valid recipe ({e.message})")
+        return
+    if got != prov.recipe.hash:
+        p.add("recipe.yaml", f"hashes to sha256:{got}, not the recipe hash "
+              f"sha256:{prov.recipe.hash} in {PROVENANCE} ({prov.recipe.name}): the recipe "
+              "(its gates, its schemes) was changed after packaging")  # fmt: skip
+
+
+def _first_weight(listed: dict[str, str]) -> str:
+    return next((r for r in sorted(listed) if r.endswith(".safetensors") and "/" not in r),
+                "model.safetensors")  # fmt: skip
+
+
 def check_load(root: Path, ev: EvalFile, checks: list[str], *, atol: float) -> None:
     if ev.probe is None:
         raise IntegrityError(
@@ -191,6 +250,7 @@ def verify(
     tensors = check_weights(root, checks)
     signature = check_signature(root, pubkey=Path(pubkey) if pubkey else None,
                                 require=require_signature)  # fmt: skip
+    check_cross(root, listed, checks)  # after the signature: a signed artifact names it
     warnings = []
     if signature == "verified":
         checks.append(f"signature {SIGNATURE} valid for {Path(str(pubkey)).name}")

@@ -1,7 +1,8 @@
 """The `qship` command line: parses arguments, calls the Python API, prints the result.
 
 Exit codes (the CI contract, README): 0 ok, 1 unexpected, 2 usage/recipe, 3 integrity,
-4 quality gate, 5 transient, 130 interrupted (Ctrl-C / SIGINT). A command returns its result
+4 quality gate, 5 transient, 130 interrupted (Ctrl-C / SIGINT), 143 terminated (SIGTERM: see
+signals.py; either signal ends the command wherever it lands). A command returns its result
 record; `main` prints exactly one JSON object on stdout with `--json` in every outcome (a
 failure: the error, with the result the command had when it failed under "result"), or a
 summary on stderr for people. `-v` and `--json` work before or after the command's name.
@@ -29,8 +30,10 @@ from .evaluate import evaluate_cmd
 from .fetch import fetch_cmd
 from .quantize import plan_cmd, quantize_cmd
 from .run import run_cmd
+from .signals import exit_code as signal_exit_code
+from .signals import interrupts_raise, signal_name
 
-INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT (typer's on any interrupt)
 
 app = typer.Typer(
     add_completion=False,
@@ -141,9 +144,13 @@ def _fail(data: dict[str, Any], text: str, as_json: bool) -> None:
 
 
 def _interrupted(as_json: bool) -> int:
-    msg = "interrupted (SIGINT): nothing was published; finished stages stay in the cache"
-    _fail({"error": "Interrupted", "exit_code": INTERRUPTED, "message": msg}, msg, as_json)
-    return INTERRUPTED
+    code, name = signal_exit_code(), signal_name()
+    what = "terminated" if name == "SIGTERM" else "interrupted"
+    msg = f"{what} ({name}): nothing was published; finished stages stay in the cache"
+    hint = "run the same command again: it resumes from the stage cache"
+    _fail({"error": "Interrupted", "exit_code": code, "message": msg, "signal": name,
+           "path": None, "hint": hint}, msg, as_json)  # fmt: skip
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     head = args[: args.index("--")] if "--" in args else args
     as_json = "--json" in head
     STATE.verbose, STATE.as_json, STATE.logfile = False, False, None
+    with interrupts_raise():
+        return _main(args, as_json)
+
+
+def _main(args: list[str], as_json: bool) -> int:
     try:
         result = app(args=args, standalone_mode=False)
         if isinstance(result, int) and not isinstance(result, bool):

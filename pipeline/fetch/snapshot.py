@@ -15,17 +15,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from .. import log
 from ..errors import IntegrityError
 from ..io.cache import StageCache
-from ..io.hashing import (
-    FileDigest,
-    copy_hash_file,
-)
+from ..io.hashing import FileDigest, copy_hash_file, map_files
 from ..io.pins import check_cached, fail_if, verify_against_pin
 from ..io.safetensors_header import read_header
 from ..model.files import model_hash
@@ -44,14 +40,14 @@ def copy_and_hash(
     total = sum((Path(src_root) / r).stat().st_size for r in rels)
     with log.Progress(label, total, nbytes=True) as bar:
 
-        def one(rel: str) -> FileDigest:
+        def one(rel: str, on_bytes: Callable[[int], None]) -> FileDigest:
             dst = Path(dst_root) / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            return copy_hash_file(Path(src_root) / rel, dst, on_bytes=bar.advance)
+            return copy_hash_file(Path(src_root) / rel, dst, on_bytes=on_bytes)
 
         workers = min(len(rels), os.cpu_count() or 1) or 1
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return dict(zip(rels, pool.map(one, rels), strict=True))
+        digests = map_files(one, rels, workers=workers, on_bytes=bar.advance)
+        return dict(zip(rels, digests, strict=True))
 
 
 def check_consistency(snap_dir: Path, files: dict[str, FileDigest]) -> list[str]:

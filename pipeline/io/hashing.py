@@ -145,11 +145,44 @@ def hash_files(
     if readahead is None:
         readahead = cores >= 2 * min(workers, len(rels) or 1)
     root = Path(root)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = pool.map(
-            lambda r: sha256_file(root / r, on_bytes=on_bytes, readahead=readahead), rels
-        )
-        return dict(zip(rels, digests, strict=True))
+    digests = map_files(
+        lambda r, cb: sha256_file(root / r, on_bytes=cb, readahead=readahead), rels,
+        workers=workers, on_bytes=on_bytes,
+    )  # fmt: skip
+    return dict(zip(rels, digests, strict=True))
+
+
+class _Stopped(Exception):
+    """Raised in a worker at its next chunk once the caller was interrupted."""
+
+
+def map_files(
+    fn: Callable[[str, Callable[[int], None]], FileDigest],
+    rels: list[str],
+    *,
+    workers: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[FileDigest]:
+    """`fn(rel, on_bytes)` for each file in a thread pool, in order. When the caller is
+    interrupted (Ctrl-C, SIGTERM: raised in the main thread while it waits) or one file
+    fails, the others stop at their next chunk -- `on_bytes` raises in them -- instead of
+    reading their files to the end before the interrupt can end the command."""
+    stop = threading.Event()
+
+    def counted(n: int) -> None:
+        if stop.is_set():
+            raise _Stopped
+        if on_bytes:
+            on_bytes(n)
+
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        return list(pool.map(lambda r: fn(r, counted), rels))
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def list_files(root: Path) -> list[str]:

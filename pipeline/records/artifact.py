@@ -87,6 +87,13 @@ class Provenance(Record):
     """The qship that made it."""
     verdict_passed: bool
     """The gate passed (publish refuses otherwise)."""
+    quantized_model_hash: str | None = None
+    """`model_hash` of the artifact's own model files (weights, config, tokenizer) as
+    packaged; `qship verify` recomputes it, so weights edited and re-summed fail (null:
+    packaged before qship recorded it, which verify refuses)."""
+    records: dict[str, str] = {}
+    """sha256 of the artifact's eval.json, README.md (the model card) and recipe.yaml as
+    packaged; `qship verify` compares them, so a record edited and re-summed fails."""
     served: ServedCheck | None = None
     """The served-artifact check's figures, when the recipe's `serve:` gate ran."""
     timings: dict[str, float] = {}

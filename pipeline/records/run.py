@@ -20,6 +20,9 @@ class StageRow(Record):
     """The stage's entry in the stage cache."""
     note: str = ""
     """The stage's one-line summary."""
+    error: str | None = None
+    """Why the stage failed: the error's class, exit code and message (null when it
+    finished). A failed stage has its row, with the time it ran."""
 
 
 class ErrorInfo(Record):

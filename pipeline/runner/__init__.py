@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from .. import gate, log
 from ..data.tokens import TokenSets
-from ..errors import QshipError, UsageError
+from ..errors import QshipError, UsageError, interrupt_exit_code
 from ..io.atomic import atomic_write_text
 from ..io.pins import checksums_dir as pin_folder
 from ..recipe import Recipe, load_recipe
@@ -66,6 +65,7 @@ __all__ = [
 ]  # fmt: skip
 
 REPORT_SUFFIX = ".report"
+OUT_LOCK = ".out.lock"  # in the report folder: held by the run writing this --out
 
 
 def report_dir_for(out: Path) -> Path:
@@ -117,10 +117,12 @@ def existing_artifact(out: Path, recipe: Recipe) -> Provenance | None:
 
 
 @contextlib.contextmanager
-def out_lock(out: Path, cache_dir: Path) -> Iterator[None]:
-    """One run per --out at a time: a second exits 2 at once instead of racing the first."""
-    key = hashlib.sha256(str(out.absolute()).encode()).hexdigest()[:24]
-    path = Path(cache_dir) / ".locks" / f"out-{key}.lock"
+def out_lock(out: Path) -> Iterator[None]:
+    """One run per --out at a time: a second exits 2 at once, before any compute, instead
+    of racing the first to package. The lock is keyed on the resolved path (`o/art` and
+    `o/x/../art`, or a symlinked folder, are one --out) and lives in its report folder, so
+    runs with different --cache-dir meet at it too."""
+    path = report_dir_for(Path(out).resolve()) / OUT_LOCK
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
         try:
@@ -169,7 +171,7 @@ def run(
     if gpu_memory is not None and gpus:
         raise UsageError("--gpu-memory holds this process, not torchrun's ranks", path="--gpus",
                          hint="drop one of --gpu-memory and --gpus")  # fmt: skip
-    with out_lock(out, cache_dir):
+    with out_lock(out):
         return _locked_run(model, recipe_path, recipe, out, cache_dir=cache_dir,
                            publish_to=publish_to, sign_key=sign_key, device=device,
                            allow_pickle=allow_pickle, checksums_dir=checksums_dir,
@@ -183,7 +185,6 @@ def _locked_run(
     checksums_dir: Path | None, require_pin: bool, offload: str, gpus: int,
     torchrun_args: tuple[str, ...], gpu_memory: int | None,
 ) -> RunRecord:  # fmt: skip
-    prior = existing_artifact(out, recipe)
     ctx = Context(Path(cache_dir), device=device, checksums_dir=pin_folder(checksums_dir),
                   require_pin=require_pin, offload=offload, gpus=gpus,
                   torchrun_args=torchrun_args, gpu_memory=gpu_memory)  # fmt: skip
@@ -191,6 +192,7 @@ def _locked_run(
     rec = RunRecord(model=model, recipe=str(recipe_path), recipe_name=recipe.name,
                     report_dir=reports)  # fmt: skip
     try:
+        prior = existing_artifact(out, recipe)  # refused (exit 2): run.json says so too
         if prior is not None:
             rec = _reuse(model, recipe, out, prior, reports, ctx, rec, publish_to, allow_pickle)
         else:
@@ -202,6 +204,12 @@ def _locked_run(
     except Exception as e:
         info = ErrorInfo(error=type(e).__name__, exit_code=1, message=str(e)[:2000])
         _finish(rec, ctx, reports, error=info)
+        raise
+    except KeyboardInterrupt as e:  # SIGINT / SIGTERM (errors.Interrupted): run.json says so
+        code = interrupt_exit_code(e)
+        _finish(rec, ctx, reports, error=ErrorInfo(
+            error="Interrupted", exit_code=code, message=f"interrupted ({e or 'SIGINT'}): "
+            "nothing was published; finished stages stay in the cache"))  # fmt: skip
         raise
     return rec
 

@@ -71,18 +71,32 @@ class Context:
 
     @contextlib.contextmanager
     def stage(self, name: str, key: str | None = None) -> Iterator[log.StageLine]:
-        """One stage line on the terminal and one row of the run record."""
+        """One stage line on the terminal and one row of the run record, also when the
+        stage fails (its time and its error: run.json says where a run stopped)."""
+        error: str | None = None
         with log.stage(name) as line:
-            yield line
-        self.rows.append(
-            StageRow(
-                stage=name,
-                seconds=round(line.seconds, 3),
-                cache_hit=line.cached,
-                key=key,
-                note=line.note,
-            )  # fmt: skip
-        )
+            try:
+                yield line
+            except BaseException as e:
+                error = _stage_error(e)
+                raise
+            finally:
+                self.rows.append(StageRow(stage=name, seconds=round(line.seconds, 3),
+                                          cache_hit=line.cached, key=key, note=line.note,
+                                          error=error))  # fmt: skip
+
+
+def _stage_error(e: BaseException) -> str:
+    """A failed stage's row: the error's class, exit code and message, on one line."""
+    from ..errors import QshipError, interrupt_exit_code
+
+    if isinstance(e, QshipError):
+        code, text = e.exit_code, e.message
+    elif isinstance(e, KeyboardInterrupt):
+        code, text = interrupt_exit_code(e), f"interrupted ({e})"
+    else:
+        code, text = 1, str(e)
+    return f"{type(e).__name__} (exit {code}): {' '.join(text.split())}"[:500]
 
 
 # ------------------------------------------------------------------ stages
