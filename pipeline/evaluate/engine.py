@@ -72,6 +72,7 @@ def evaluate(
     overlap: Overlap | None = None,
     corpus: TokenSetInfo | None = None,
     measured_path: Path | None = None,
+    custom_dir: Path | None = None,
 ) -> EvalReport:
     """Compare candidate with reference on `heldout_ids` [sequences, seq_len], as `options`
     say. `options.attention`: the serving engine's attention numerics to simulate with an FP8
@@ -81,7 +82,8 @@ def evaluate(
     module (model/loading.py; disk is host memory here too: a packed checkpoint does not
     survive accelerate's disk offload); lm-eval places them with its own `parallelize`.
     `data_dir`: the pinned benchmark data; `overlap`: its overlap with calibration;
-    `corpus`: where the held-out tokens came from (recorded)."""
+    `corpus`: where the held-out tokens came from (recorded); `custom_dir`: the checked
+    custom tasks (data/custom_tasks.py)."""
     o = options or EvalOptions()
     device = o.device or default_device()
     tasks, hub_tasks, dtype, exact, topk = o.tasks, o.hub_tasks, o.dtype, o.exact, o.topk
@@ -166,7 +168,7 @@ def evaluate(
     metrics_off = Metrics(**off.summary(), kl_mode=mode) if do_kv_off and off else None
 
     benchmarks = Benchmarks()
-    if tasks or hub_tasks:
+    if tasks or hub_tasks or custom_dir:
         from . import benchmarks as bm
 
         t0 = time.perf_counter()
@@ -174,6 +176,7 @@ def evaluate(
             reference, candidate.path, tasks=list(tasks), hub_tasks=list(hub_tasks),
             data_dir=data_dir, limit=o.limit, cache_dir=cache_dir, device=device, dtype=dtype,
             batch_size=o.task_batch_size, offload=offload, code_execution=o.code_execution,
+            custom_dir=custom_dir,
         )  # fmt: skip
         timings["benchmarks_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_all

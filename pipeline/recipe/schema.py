@@ -13,10 +13,11 @@ Top-level keys (all others are an error):
     kv_cache     {scheme: fp8_e4m3, strategy: tensor|attn_head, dynamic: false, query,
                   skip_layers: [i, ...]} | null
     calibration  {source, num_samples, seq_len, batch_size, seed, all_experts,
-                  min_expert_tokens}
-    evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit, task_batch_size,
-                  max_overlap}
-    gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {max_drop}}}
+                  min_expert_tokens, chat_template, mix: [{source, weight}]}
+    evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, custom_tasks, limit,
+                  task_batch_size, max_overlap, greedy_prompts, greedy_tokens}
+    gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, greedy_agreement_min,
+                  tasks: {name: {max_drop}}}
     serve        {engine, kv_cache_dtype, max_kl, min_top1, max_kl_increase, workloads,
                   repeats, seed, gates, long_context} | null (serving.py)
     smoothquant  {strength} | null         -- SmoothQuant before the rounding (INT8 W8A8)
@@ -213,6 +214,31 @@ class CalibrationConfig(_Strict):
         return v
 
 
+Match = Literal["exact", "regex", "number", "contains", "choices"]
+
+
+class CustomTask(_Strict):
+    """A team's own task: a JSONL or CSV file of prompts and expected answers (under the
+    project's eval/tasks/ folder by convention; a relative path is read from the working
+    directory), pinned by its sha256 (docs/CUSTOM-TASKS.md). `match`: how an answer is
+    judged unless a row says otherwise -- exact (after stripping), regex (the answer is a
+    pattern searched in the completion), number (the first number within `tolerance`),
+    contains (case-insensitive), or choices (multiple choice: the rows carry `choices`,
+    scored by log-likelihood)."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,63}$")
+    path: str = Field(min_length=1)
+    # the file's sha256: a mismatch is exit 3 before any compute (`sha256sum FILE`)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    match: Match = "exact"
+    tolerance: float = Field(default=0.0, ge=0.0, le=1e12)
+    # the prompt wrapped in the model's chat template (a user turn + the generation prompt)
+    chat_template: bool = False
+    max_new_tokens: int = Field(default=32, gt=0, le=4096)
+    # where generation stops (lm-eval's `until`)
+    stop: list[str] = Field(default_factory=lambda: ["\n"])
+
+
 class EvaluationConfig(_Strict):
     sequences: int = Field(default=32, gt=0, le=65_536)
     seq_len: int = Field(default=512, gt=1, le=131_072)
@@ -228,6 +254,8 @@ class EvaluationConfig(_Strict):
     code_execution: Literal["off", "sandboxed", "sandboxed-no-netns"] = "off"
     # any other lm-eval task, its data from the Hub (skipped with a reason when offline)
     hub_tasks: list[str] = Field(default_factory=list)
+    # a team's own prompts and answers, pinned files (docs/CUSTOM-TASKS.md)
+    custom_tasks: list[CustomTask] = Field(default_factory=list)
     # the first N items of each task (per subject for mmlu); null = the whole split
     limit: int | None = Field(default=None, gt=0, le=10_000_000)
     # lm-eval's batch size: its float32 log-softmax over the vocabulary is batch x length x
@@ -243,6 +271,22 @@ class EvaluationConfig(_Strict):
     # per position, the top-k log-probs of both models stored for the served check
     # (qship/measured.safetensors in the artifact); 0 = store none
     measured_topk: int = Field(default=32, ge=0, le=1024)
+    # greedy agreement (label-free): this many held-out prompts continued greedily for
+    # greedy_tokens tokens by both models, compared token by token; 0 = not measured
+    greedy_prompts: int = Field(default=8, ge=0, le=4096)
+    greedy_tokens: int = Field(default=32, gt=0, le=4096)
+
+    @model_validator(mode="after")
+    def _custom_names(self) -> EvaluationConfig:
+        seen = {*self.tasks, *self.hub_tasks}
+        for t in self.custom_tasks:
+            if t.name in seen:
+                raise ValueError(
+                    f"custom_tasks: the name {t.name!r} is used twice (or by a built-in "
+                    "or hub task); give each task its own name"
+                )
+            seen.add(t.name)
+        return self
 
 
 class TaskGate(_Strict):
@@ -265,6 +309,8 @@ class Gates(_Strict):
     kl_p99_max: float | None = None
     top1_min: float | None = None
     ppl_ratio_max: float | None = None
+    # the least share of greedy continuations identical to the reference's (0..1)
+    greedy_agreement_min: float | None = None
     tasks: dict[str, TaskGate] = Field(default_factory=dict)
 
 
@@ -295,12 +341,13 @@ class Recipe(_Strict):
             if g.name in seen:
                 raise ValueError(f"two groups are named {g.name!r}; give each group its own name")
             seen.add(g.name)
-        evaluated = {*self.evaluation.tasks, *self.evaluation.hub_tasks}
+        ev = self.evaluation
+        evaluated = {*ev.tasks, *ev.hub_tasks, *(t.name for t in ev.custom_tasks)}
         for t in self.gates.tasks:
             if t not in evaluated:
                 raise ValueError(
                     f"gates.tasks.{t}: {t!r} is not evaluated; list it in evaluation.tasks "
-                    "(or evaluation.hub_tasks)"
+                    "(or evaluation.hub_tasks, evaluation.custom_tasks)"
                 )
         return self
 
