@@ -190,6 +190,29 @@ class KVCache(_Strict):
         return sorted(v)
 
 
+BUILTIN_CORPORA = ("builtin:english", "builtin:python")
+
+
+def _check_source(v: str) -> str:
+    if v.startswith("builtin:") and v not in BUILTIN_CORPORA:
+        raise ValueError(f"the builtin corpora are {', '.join(BUILTIN_CORPORA)}")
+    if v.startswith("hf:") and len(v) <= 3:
+        raise ValueError("write 'hf:<dataset>[:config]'")
+    return v
+
+
+class CorpusShare(_Strict):
+    """One corpus of a calibration mix and its weight (its share of the windows)."""
+
+    source: str
+    weight: float = Field(gt=0, le=1e6)
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        return _check_source(v)
+
+
 class CalibrationConfig(_Strict):
     source: str = "builtin:english"
     # bounds: far above any published calibration set (llm-compressor's examples: 512 x 2048)
@@ -203,15 +226,31 @@ class CalibrationConfig(_Strict):
     # MoE: an expert that received fewer calibration tokens than this fails the run (exit 1)
     # instead of being written with scales from (almost) no data
     min_expert_tokens: int = Field(default=64, ge=1, le=1_000_000_000)
+    # each calibration document wrapped in the model's chat template (a user turn and the
+    # assistant's reply: the document split at its middle line or word), for instruct models
+    chat_template: bool = False
+    # calibration windows drawn from several corpora by weight (e.g. prose and
+    # builtin:python code); the held-out windows still come from `source` alone
+    mix: list[CorpusShare] = Field(default_factory=list)
 
     @field_validator("source")
     @classmethod
     def _source(cls, v: str) -> str:
-        if v.startswith("builtin:") and v != "builtin:english":
-            raise ValueError("the only builtin corpus is 'builtin:english'")
-        if v.startswith("hf:") and len(v) <= 3:
-            raise ValueError("write 'hf:<dataset>[:config]'")
+        return _check_source(v)
+
+    @field_validator("mix")
+    @classmethod
+    def _mix(cls, v: list[CorpusShare]) -> list[CorpusShare]:
+        names = [s.source for s in v]
+        if len(set(names)) != len(names):
+            raise ValueError("a corpus is listed twice in the mix")
         return v
+
+    def key_fields(self) -> dict[str, Any]:
+        """The fields as cache keys hold them: chat_template and mix only when set, so
+        the keys of entries made before they existed stay as they were."""
+        dump = self.model_dump(mode="json")
+        return {k: v for k, v in dump.items() if v or k not in ("chat_template", "mix")}
 
 
 Match = Literal["exact", "regex", "number", "contains", "choices"]

@@ -185,7 +185,9 @@ def quantize_key(
     resolved = recipe.resolved()
     inputs: dict[str, Any] = {
         "model": snapshot.model_hash,
+        # calibration as keys hold it: its newer fields only when set
         "recipe": {k: resolved[k] for k in _QUANT_FIELDS}
+        | {"calibration": recipe.calibration.key_fields()}
         | {k: resolved[k] for k in _QUANT_OPTIONAL if resolved.get(k) is not None},
         "calib": tokens.calib_hash,
         # GPU and CPU kernels round differently: their checkpoints are different inputs
