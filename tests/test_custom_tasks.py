@@ -192,8 +192,8 @@ def test_recipe_names_and_gates():
 
 def test_a_tiny_model_end_to_end_paired_cached_and_gated(tok, tiny_llama, tiny_quantized_dir,
                                                          tmp_path):  # fmt: skip
-    """A generated-answer task (3 rows of the example) and a multiple-choice one through
-    lm-eval on both models, paired; the second comparison takes the reference from the
+    """A generated-answer task (3 rows of the example), a multiple-choice one and an lm-eval
+    YAML task through lm-eval on both models, paired; the second comparison takes the reference from the
     cache; gates.tasks bounds each."""
     gen = tmp_path / "gen.jsonl"
     gen.write_text("".join(EXAMPLE.read_text().splitlines(keepends=True)[:3]))
@@ -201,7 +201,11 @@ def test_a_tiny_model_end_to_end_paired_cached_and_gated(tok, tiny_llama, tiny_q
     mc.write_text(
         "prompt,answer,choices\nThe cat sat on the,mat,mat|sky\nOne two,three,three|blue\n"
     )
-    ev = _ev(_task(gen, "units", max_new_tokens=8), _task(mc, "pick", match="choices"))
+    ev = _ev(
+        _task(gen, "units", max_new_tokens=8),
+        _task(mc, "pick", match="choices"),
+        _yaml_task(tmp_path),
+    )
     folder, _ = custom_tasks.prepare(ev, tok, cache_dir=tmp_path, where="r")
     kw = dict(tasks=[], hub_tasks=[], data_dir=None, limit=None, cache_dir=tmp_path,
               device="cpu", custom_dir=folder)  # fmt: skip
@@ -211,6 +215,9 @@ def test_a_tiny_model_end_to_end_paired_cached_and_gated(tok, tiny_llama, tiny_q
     assert units.n == units.n_total == 3 and units.metric == "correct (exact)"
     assert pick.n == 2 and pick.metric == "acc" and pick.ci95_pp is not None
     assert units.data.startswith("custom: ") and _sha(gen)[:12] in units.data
+    capitals = first.tasks["capitals"]  # an lm-eval YAML: its own metric, per item
+    assert capitals.status == "ok" and capitals.n == capitals.n_total == 2, capitals.reason
+    assert capitals.metric in ("acc", "acc_norm")
     report = eval_report(tasks={n: t.model_dump(mode="json") for n, t in first.tasks.items()})
     verdict = gate.check(report, Gates(tasks={"units": {"max_drop": 100.0},
                                               "pick": {"max_drop": -100.0}}))  # fmt: skip
@@ -219,3 +226,64 @@ def test_a_tiny_model_end_to_end_paired_cached_and_gated(tok, tiny_llama, tiny_q
     again = benchmarks.compare(model_ref(tiny_llama), tiny_quantized_dir, **kw)
     assert all(t.reference_cached for t in again.tasks.values())
     assert again.tasks["units"].candidate == units.candidate
+
+
+YAML_TASK = """task: whatever
+dataset_path: json
+dataset_kwargs: {data_files: {test: capitals.jsonl}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Q: What is the capital of {{country}}?\\nA:"
+doc_to_choice: "{{options}}"
+doc_to_target: "{{gold}}"
+metric_list: [{metric: acc, aggregation: mean, higher_is_better: true}]
+"""
+CAPITALS = ('{"country": "France", "options": ["Paris", "Rome"], "gold": 0}\n'
+            '{"country": "Italy", "options": ["Paris", "Rome"], "gold": 1}\n')  # fmt: skip
+
+
+def _yaml_task(tmp_path: Path, yaml_text: str = YAML_TASK) -> dict:
+    (tmp_path / "capitals.yaml").write_text(yaml_text)
+    (tmp_path / "capitals.jsonl").write_text(CAPITALS)
+    return _task(tmp_path / "capitals.yaml", "capitals",
+                 data={"capitals.jsonl": _sha(tmp_path / "capitals.jsonl")})  # fmt: skip
+
+
+def test_an_lm_eval_yaml_task_runs_as_written_on_its_pinned_data(tok, tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    ev = _ev(_yaml_task(tmp_path))
+    folder, items = custom_tasks.prepare(ev, tok, cache_dir=tmp_path / "c", where="r")
+    assert items["capitals"][0] == ["France", "Paris", "Rome"]  # the overlap check sees it
+    tdir = custom_tasks.task_dir(folder, tmp_path / "tasks")
+    name = custom_tasks.lm_eval_name("capitals")
+    task = TaskManager(include_path=str(tdir)).load_task_or_group([name])[name]
+    doc = next(iter(task.test_docs()))
+    assert task.doc_to_text(doc) == "Q: What is the capital of France?\nA:"
+    # it reads the pinned copy in the cache, not the file beside the YAML
+    (tmp_path / "capitals.jsonl").write_text("")
+    assert len(list(task.test_docs())) == 2
+    # a changed data file is exit 3
+    with pytest.raises(IntegrityError, match="capitals.jsonl has sha256"):
+        custom_tasks.prepare(ev, tok, cache_dir=tmp_path / "c", where="r")
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda y: "include: other.yaml\n" + y, "includes another YAML"),
+    (lambda y: y.replace('"{{options}}"', "!function utils.choices"), "imports code"),
+    (lambda y: y.replace("dataset_path: json", "dataset_path: some/hub_set"), "only local"),
+    (lambda y: y.replace("capitals.jsonl", "other.jsonl"), "not pinned"),
+])  # fmt: skip
+def test_a_yaml_task_that_reaches_outside_its_pinned_data_is_exit_2(tok, tmp_path, change, problem):
+    ev = _ev(_yaml_task(tmp_path, change(YAML_TASK)))
+    with pytest.raises(UsageError, match=problem) as e:
+        custom_tasks.prepare(ev, tok, cache_dir=tmp_path / "c", where="r")
+    assert e.value.exit_code == 2 and "capitals.yaml" in str(e.value)
+
+
+def test_a_yaml_task_pins_its_data_in_the_recipe():
+    t = {"name": "c", "path": "eval/tasks/c.yaml", "sha256": "0" * 64}
+    with pytest.raises(ValueError, match="data"):
+        EvaluationConfig(custom_tasks=[t])
+    with pytest.raises(ValueError, match="chat_template"):
+        EvaluationConfig(custom_tasks=[{**t, "data": {"c.jsonl": "1" * 64}, "chat_template": True}])

@@ -13,6 +13,11 @@ and the benchmark child reads them through an lm-eval task written there
 (`task_dir`): `generate_until` (greedy, the task's stops and max_new_tokens, metric
 `bypass`: qship scores, evaluate/custom_scoring.py) or, for `match: choices`,
 `multiple_choice` scored by lm-eval's `acc`.
+
+An lm-eval task YAML (`path: eval/tasks/x.yaml`) runs as written -- its prompt, metric and
+generation settings -- with its JSON/CSV data files pinned in the entry's `data` (paths
+relative to the YAML's folder, as its `dataset_kwargs.data_files` names them) and copied
+into the stage cache; it may not `include` another YAML or import code (`!function`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ import io
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from ..errors import IntegrityError, UsageError
 from ..io.cache import StageCache, stage_key
@@ -168,23 +176,88 @@ def read_task(task: CustomTask, path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def resolve(task: CustomTask, where: str) -> Path:
-    """The task's file, its bytes checked against the recipe's sha256 (exit 3 if not)."""
-    path = Path(task.path)
+def _pinned(task: str, path: Path, sha256: str, where: str) -> Path:
+    """`path`, its bytes checked against the recipe's sha256 (exit 3 if not)."""
     if not path.is_file():
         raise UsageError(
-            f"evaluation.custom_tasks.{task.name}: no file {task.path} (from {Path.cwd()})",
+            f"evaluation.custom_tasks.{task}: no file {path} (from {Path.cwd()})",
             path=where, hint="a relative path is read from the working directory (eval/tasks/...)",
         )  # fmt: skip
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != task.sha256:
+    if digest != sha256:
         raise IntegrityError(
-            f"evaluation.custom_tasks.{task.name}: {task.path} has sha256 {digest}, the "
-            f"recipe pins {task.sha256}",
+            f"evaluation.custom_tasks.{task}: {path} has sha256 {digest}, the recipe pins {sha256}",
             path=str(path),
             hint="if the file was changed on purpose, put its new `sha256sum` in the recipe",
         )
     return path
+
+
+def resolve(task: CustomTask, where: str) -> Path:
+    """The task's file, its bytes checked against the recipe's sha256 (exit 3 if not)."""
+    return _pinned(task.name, Path(task.path), task.sha256, where)
+
+
+def _files_named(data_files: Any) -> list[str]:
+    if isinstance(data_files, str):
+        return [data_files]
+    if isinstance(data_files, list):
+        return [f for v in data_files for f in _files_named(v)]
+    if isinstance(data_files, dict):
+        return [f for v in data_files.values() for f in _files_named(v)]
+    return []
+
+
+def read_yaml_task(task: CustomTask, where: str) -> tuple[dict[str, Any], dict[str, Path]]:
+    """An lm-eval task YAML and its data files, every one pinned (exit 3) and the YAML
+    checked (exit 2): local JSON/CSV data only, all of it pinned, no include, no code."""
+    from .generative import _AsData
+
+    path = resolve(task, where)
+    files = {name: _pinned(task.name, path.parent / name, sha, where)
+             for name, sha in task.data.items()}  # fmt: skip
+    try:
+        cfg = yaml.load(path.read_text(encoding="utf-8"), Loader=_AsData)  # noqa: S506
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: not a YAML file ({e})", path=str(path)) from None
+    problem = (
+        "is not a mapping" if not isinstance(cfg, dict)
+        else "includes another YAML (write the task out in full)" if "include" in cfg
+        else "imports code (!function): a custom task is data" if "!function" in json.dumps(cfg)
+        else f"dataset_path {cfg.get('dataset_path')!r}: only local json or csv data"
+        if cfg.get("dataset_path") not in ("json", "csv")
+        else None
+    )  # fmt: skip
+    named = _files_named((cfg.get("dataset_kwargs") or {}).get("data_files")) if not problem else []
+    if not problem and (not named or set(named) - set(files)):
+        problem = (f"dataset_kwargs.data_files names {sorted(set(named) - set(files)) or 'nothing'}"
+                   f", not pinned in the recipe's data ({sorted(files)})")  # fmt: skip
+    if problem:
+        raise UsageError(f"{path}: {problem}", path=str(path),
+                         hint="docs/CUSTOM-TASKS.md: an lm-eval task YAML")  # fmt: skip
+    return cfg, files
+
+
+def _texts(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _texts(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _texts(v)]
+    return []
+
+
+def data_items(files: dict[str, Path]) -> list[list[str]]:
+    """Every row of a YAML task's data files as its text fields (the overlap check)."""
+    rows: list[list[str]] = []
+    for path in files.values():
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".csv":
+            rows += [_texts(r) for r in csv.DictReader(io.StringIO(text))]
+        else:
+            rows += [_texts(json.loads(line)) for line in text.splitlines() if line.strip()]
+    return rows
 
 
 def overlap_items(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -199,8 +272,11 @@ def prepare(
     as the model sees them. -> (its folder or None, {task: items for the overlap check})."""
     if not ev.custom_tasks:
         return None, {}
-    checked = {t.name: read_task(t, resolve(t, where)) for t in ev.custom_tasks}
+    rows_tasks = [t for t in ev.custom_tasks if not t.data]
+    yaml_tasks = {t.name: read_yaml_task(t, where) for t in ev.custom_tasks if t.data}
+    checked = {t.name: read_task(t, resolve(t, where)) for t in rows_tasks}
     items = {name: overlap_items(rows) for name, rows in checked.items()}
+    items |= {name: data_items(files) for name, (_cfg, files) in yaml_tasks.items()}
     chat = any(t.chat_template for t in ev.custom_tasks)
     key = stage_key(STAGE, {
         "tasks": [t.model_dump(mode="json") for t in ev.custom_tasks], "format": FORMAT,
@@ -210,7 +286,16 @@ def prepare(
 
     def build(tmp: Path) -> dict[str, Any]:
         manifest = {}
+        for name, (cfg, pinned) in yaml_tasks.items():
+            for rel, src in pinned.items():  # the pinned bytes, under the YAML's names
+                (tmp / "data" / name / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, tmp / "data" / name / rel)
+            (tmp / "data" / f"{name}.lmeval.json").write_text(json.dumps(cfg, indent=2))
+            spec = next(t for t in ev.custom_tasks if t.name == name)
+            manifest[name] = spec.model_dump(mode="json") | {"format": "yaml"}
         for i, t in enumerate(ev.custom_tasks):
+            if t.data:
+                continue
             rows = checked[t.name]
             if t.chat_template:
                 at = f"evaluation.custom_tasks[{i}].chat_template"
@@ -221,7 +306,7 @@ def prepare(
             with open(tmp / "data" / f"{t.name}.jsonl", "w", encoding="utf-8") as fh:
                 for r in rows:
                     fh.write(json.dumps(r) + "\n")
-            manifest[t.name] = t.model_dump(mode="json") | {"n": len(rows)}
+            manifest[t.name] = t.model_dump(mode="json") | {"n": len(rows), "format": "rows"}
         (tmp / "data" / MANIFEST).write_text(json.dumps(manifest, indent=2))
         files = hash_files(tmp / "data", list_files(tmp / "data"))
         return {"files": {k: v.to_json() for k, v in files.items()}}
@@ -244,13 +329,25 @@ def load_rows(folder: Path, task: str, limit: int | None = None) -> list[dict[st
 def content_hash(folder: Path, task: str) -> str:
     """What the reference cache of a custom task is keyed by: its rows as the model sees
     them and how it generates."""
-    h = hashlib.sha256((folder / f"{task}.jsonl").read_bytes())
+    spec = manifest(folder)[task]
+    own = (
+        [folder / f"{task}.lmeval.json"] if spec["format"] == "yaml" else [folder / f"{task}.jsonl"]
+    )
+    h = hashlib.sha256()
+    for f in own:
+        h.update(f.read_bytes())
     h.update(json.dumps(manifest(folder)[task], sort_keys=True).encode())
     return h.hexdigest()
 
 
 def task_config(task: str, spec: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """lm-eval's task definition for one custom task, its data the prepared rows."""
+    """lm-eval's task definition for one custom task, its data the prepared rows (or, for
+    an lm-eval YAML, its own definition with the data files' paths made absolute)."""
+    if spec["format"] == "yaml":
+        own: dict[str, Any] = json.loads((folder / f"{task}.lmeval.json").read_text())
+        kwargs = dict(own.get("dataset_kwargs") or {})
+        kwargs["data_files"] = _absolute(kwargs["data_files"], folder / task)
+        return {**own, "task": lm_eval_name(task), "dataset_kwargs": kwargs}
     cfg: dict[str, Any] = {
         "task": lm_eval_name(task), "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"test": str(folder / f"{task}.jsonl")}},
@@ -267,6 +364,19 @@ def task_config(task: str, spec: dict[str, Any], folder: Path) -> dict[str, Any]
                               "do_sample": False},
         "metric_list": [{"metric": "bypass", "aggregation": "bypass", "higher_is_better": True}],
     }  # fmt: skip
+
+
+def _absolute(data_files: Any, root: Path) -> Any:
+    if isinstance(data_files, str):
+        return str(root / data_files)
+    if isinstance(data_files, list):
+        return [_absolute(v, root) for v in data_files]
+    return {k: _absolute(v, root) for k, v in data_files.items()}
+
+
+def generated(spec: dict[str, Any]) -> bool:
+    """Whether qship scores the task's completions (else lm-eval's own metric per item)."""
+    return spec["format"] == "rows" and spec["match"] != "choices"
 
 
 def task_dir(folder: Path, out: Path) -> Path:

@@ -193,7 +193,7 @@ def _worker(spec: dict) -> None:
     out: dict[str, Any] = {}
     for t in spec["tasks"]:
         samples = r["samples"].get(names[t]) or []
-        generated = t in GENERATIVE or (t in custom and custom[t]["match"] != "choices")
+        generated = t in GENERATIVE or (t in custom and custom_tasks.generated(custom[t]))
         if generated:  # qship scores the completions (generative.py, custom_scoring.py)
             done = {str(s["doc_id"]): s["resps"][0][0] for s in samples}
             n_total = custom[t]["n"] if t in custom else len(load_docs(t, Path(spec["data_dir"])))
@@ -264,7 +264,7 @@ def _scored(
     """A generative task's completions scored per item (the cache holds the completions)."""
     if "completions" not in result:  # multiple choice: lm-eval's acc per item
         return result
-    if task not in GENERATIVE:  # a custom task (data_dir: its folder)
+    if task not in GENERATIVE:  # a custom JSONL/CSV task (data_dir: its folder)
         assert data_dir is not None
         rows = custom_tasks.load_rows(data_dir, task, limit)
         match = custom_tasks.manifest(data_dir)[task]["match"]

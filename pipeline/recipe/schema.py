@@ -263,7 +263,8 @@ class CustomTask(_Strict):
     judged unless a row says otherwise -- exact (after stripping), regex (the answer is a
     pattern searched in the completion), number (the first number within `tolerance`),
     contains (case-insensitive), or choices (multiple choice: the rows carry `choices`,
-    scored by log-likelihood)."""
+    scored by log-likelihood). Or an lm-eval task YAML (`path: ....yaml`) whose JSON/CSV
+    data files are pinned in `data` (its own prompt, metric and generation settings)."""
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,63}$")
     path: str = Field(min_length=1)
@@ -276,6 +277,28 @@ class CustomTask(_Strict):
     max_new_tokens: int = Field(default=32, gt=0, le=4096)
     # where generation stops (lm-eval's `until`)
     stop: list[str] = Field(default_factory=lambda: ["\n"])
+    # an lm-eval task YAML's data files, each with its sha256 (paths as the YAML names them)
+    data: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _yaml_or_rows(self) -> CustomTask:
+        is_yaml = self.path.endswith((".yaml", ".yml"))
+        if is_yaml != bool(self.data):
+            raise ValueError(
+                "an lm-eval task YAML pins its data files in `data: {path: sha256}`; a JSONL "
+                "or CSV task takes no `data`"
+                if is_yaml
+                else "`data` is for an lm-eval task YAML"
+            )
+        if is_yaml and self.chat_template:
+            raise ValueError("chat_template applies to JSONL/CSV tasks; an lm-eval YAML "
+                             "writes its own prompt")  # fmt: skip
+        import re
+
+        bad = [d for d in self.data.values() if not re.fullmatch(r"[0-9a-f]{64}", d)]
+        if bad:
+            raise ValueError(f"data: {bad[0]!r} is not a sha256 (64 hex digits)")
+        return self
 
 
 class EvaluationConfig(_Strict):
