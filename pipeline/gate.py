@@ -16,19 +16,21 @@ from typing import Any, Literal
 
 from .errors import GateFailed
 from .recipe import Gates, SpeedGates
-from .records.evaluation import EvalReport, Metrics
+from .records.evaluation import EvalReport
 from .records.perf import ServedPerf
 from .records.served import LongContextCheck
 from .records.verdict import Check, Verdict
 
 Op = Literal["<=", ">="]
 # gate name -> (what it reads, op, where it is in eval.json)
-METRIC_GATES: dict[str, tuple[Callable[[Metrics], float], Op, str]] = {
-    "kl_mean_max": (lambda m: m.kl.mean, "<=", "metrics.kl.mean"),
-    "kl_p99_max": (lambda m: m.kl.p99, "<=", "metrics.kl.p99"),
-    "top1_min": (lambda m: m.top1_agreement, ">=", "metrics.top1_agreement"),
-    "ppl_ratio_max": (lambda m: m.ppl_ratio, "<=", "metrics.ppl_ratio"),
-}
+METRIC_GATES: dict[str, tuple[Callable[[EvalReport], float], Op, str]] = {
+    "kl_mean_max": (lambda r: r.metrics.kl.mean, "<=", "metrics.kl.mean"),
+    "kl_p99_max": (lambda r: r.metrics.kl.p99, "<=", "metrics.kl.p99"),
+    "top1_min": (lambda r: r.metrics.top1_agreement, ">=", "metrics.top1_agreement"),
+    "ppl_ratio_max": (lambda r: r.metrics.ppl_ratio, "<=", "metrics.ppl_ratio"),
+    "greedy_agreement_min": (lambda r: r.greedy.identical if r.greedy else math.nan, ">=",
+                             "greedy.identical (not measured: evaluation.greedy_prompts 0?)"),
+}  # fmt: skip
 
 
 def _ok(value: Any, op: Op, limit: float) -> bool:
@@ -43,7 +45,7 @@ def check(report: EvalReport, gates: Gates, speed: SpeedGates | None = None) -> 
         limit = getattr(gates, name)
         if limit is None:
             continue
-        value = read(report.metrics)
+        value = read(report)
         finite = math.isfinite(value)
         checks.append(
             Check(

@@ -158,3 +158,82 @@ def test_exported_jsonl_gives_the_builtin_token_sets(tok, tmp_path):
         b.info.corpus_hash,
     )
     assert torch.equal(a.heldout_ids, b.heldout_ids)
+
+
+# --- code and chat calibration (calibration.mix, calibration.chat_template) ---------------
+
+CHAT = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+        "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")  # fmt: skip
+
+
+def test_builtin_python_is_real_code_without_test_suites():
+    import ast
+
+    ds, source = load_corpus("builtin:python")
+    assert source == "builtin:python" and set(ds["part"]) == {"code"}
+    assert sum(len(t) for t in ds["text"]) >= 2_000_000 and len(set(ds["doc_id"])) == len(ds)
+    assert not any("/test/" in d or "/tests/" in d for d in ds["doc_id"])
+    for text in ds["text"][:20]:
+        ast.parse(text)  # Python source, as written
+    again, _ = load_corpus("builtin:python")
+    assert again["doc_id"] == ds["doc_id"]  # a fixed order, not the file system's
+
+
+def test_corpora_mixed_by_weight(tok, tmp_path):
+    from pipeline.data.tokens import shares
+
+    assert shares(16, [0.75, 0.25]) == [12, 4] and shares(5, [1, 1, 1]) == [2, 2, 1]
+    plain = build_token_sets(tok, CAL, EV, cache_dir=tmp_path)
+    mix = [{"source": "builtin:english", "weight": 3}, {"source": "builtin:python", "weight": 1}]
+    mixed = build_token_sets(tok, CAL.model_copy(update={"mix": CalibrationConfig(mix=mix).mix}),
+                             EV, cache_dir=tmp_path)  # fmt: skip
+    assert mixed.info.stats.calibration_mix == {"builtin:english": 12, "builtin:python": 4}
+    assert mixed.calib_ids.shape == (16, 128)
+    # the held-out tokens are the prose ones either way; calibration differs, and so the key
+    assert (
+        torch.equal(mixed.heldout_ids, plain.heldout_ids) and mixed.calib_hash != plain.calib_hash
+    )
+    code = tok.batch_decode(mixed.calib_ids[12:])
+    assert all("\n    " in t for t in code)  # indented source lines
+    # the prose share: windows the prose-only calibration draws too (the same seeded order)
+    prose = {r.numpy().tobytes() for r in plain.calib_ids}
+    assert all(r.numpy().tobytes() in prose for r in mixed.calib_ids[:12])
+    assert len(list((tmp_path / "tokens").iterdir())) == 2
+    with pytest.raises(ValueError, match="twice"):
+        CalibrationConfig(mix=[mix[0], mix[0]])
+    with pytest.raises(ValueError, match="builtin corpora"):
+        CalibrationConfig(mix=[{"source": "builtin:rust", "weight": 1}])
+
+
+def test_chat_template_wraps_calibration_but_not_the_heldout_text(tok, tmp_path):
+    from pipeline.data.tokens import in_chat
+
+    with pytest.raises(UsageError, match="no chat template"):
+        build_token_sets(tok, CAL.model_copy(update={"chat_template": True}), EV,
+                         cache_dir=tmp_path)  # fmt: skip
+    chat_tok = AutoTokenizer.from_pretrained(tok.name_or_path)
+    chat_tok.chat_template = "{{ bos_token }}" + CHAT
+    text = "First line of a document.\nSecond line.\nThird line here."
+    # split at the line break nearest the middle; the template's BOS left to the windows
+    assert in_chat(chat_tok, text) == ("<start_of_turn>user\nFirst line of a document."
+                                       "<end_of_turn>\n<start_of_turn>assistant\nSecond line.\n"
+                                       "Third line here.<end_of_turn>\n")  # fmt: skip
+    plain = build_token_sets(chat_tok, CAL, EV, cache_dir=tmp_path)
+    chat = build_token_sets(chat_tok, CAL.model_copy(update={"chat_template": True}), EV,
+                            cache_dir=tmp_path)  # fmt: skip
+    assert torch.equal(chat.heldout_ids, plain.heldout_ids) and chat.calib_hash != plain.calib_hash
+    decoded = chat_tok.batch_decode(chat.calib_ids)
+    assert sum(t.count("<start_of_turn>assistant") for t in decoded) > 0
+    assert not any("<start_of_turn>" in t for t in chat_tok.batch_decode(chat.heldout_ids))
+    assert len(list((tmp_path / "tokens").iterdir())) == 2
+
+
+def test_keys_of_recipes_without_the_new_fields_stay_as_they_were():
+    old = {
+        k: v for k, v in CAL.model_dump(mode="json").items() if k not in ("chat_template", "mix")
+    }
+    assert CAL.key_fields() == old
+    assert CAL.model_copy(update={"chat_template": True}).key_fields() == {
+        **old,
+        "chat_template": True,
+    }

@@ -148,6 +148,11 @@ def _results(ev: EvalFile) -> list[str]:
     if ev.metrics_weights_only:
         w = ev.metrics_weights_only.kl
         rows.append(("KL mean with the KV cache in 16-bit", _pm(w.mean, w.stderr)))
+    if ev.greedy:
+        g = ev.greedy
+        rows.append((f"greedy agreement ({g.prompts} prompts × {g.tokens} tokens)",
+                     f"{g.identical:.0%} identical, first difference at token "
+                     f"{g.mean_first_difference:.1f} on average"))  # fmt: skip
     if ev.quantize:
         rows.append(("bits per quantized weight", f"{ev.quantize.bits_per_weight:.3f}"))
     lines = [

@@ -72,8 +72,8 @@ def evaluate_cmd(
         ts = build_token_sets(tok, r.calibration, ev, cache_dir=root)
         line.note = ts.info.summary()
     with log.stage("eval-data") as line:
-        data, ov = prepare(ev, tok, ts, cache_dir=root, checksums_dir=pin_folder(checksums),
-                           where=str(recipe))  # fmt: skip
+        data, ov, custom = prepare(ev, tok, ts, cache_dir=root,
+                                   checksums_dir=pin_folder(checksums), where=str(recipe))  # fmt: skip
     with log.stage("evaluate") as line:
         # the recipe's 16-bit KV layers when it lists some, else the candidate's own
         skip = tuple(r.kv_cache.skip_layers) if r.kv_cache and r.kv_cache.skip_layers else None
@@ -81,7 +81,7 @@ def evaluate_cmd(
                               dtype=dtype, offload=offload, kv_skip_layers=skip)  # fmt: skip
         report = evaluate(model_ref(reference), model_ref(candidate), heldout_ids=ts.heldout_ids,
                           cache_dir=root, options=opts, data_dir=data, overlap=ov,
-                          corpus=ts.info)  # fmt: skip
+                          corpus=ts.info, custom_dir=custom)  # fmt: skip
         line.note = report.summary()
     for text in report.skipped_lines():
         log.info(text, style="yellow")

@@ -23,6 +23,9 @@ Row schema (one per recipe; every figure may be None when the stage did not repo
     kl_mean kl_stderr kl_median kl_p90 kl_p99 kl_p999 kl_max    KL(ref||quant), nats/token
     top1             top-1 agreement with the reference
     ppl_reference ppl_candidate ppl_ratio
+    greedy_identical greedy_first_diff   share of greedy continuations identical to the
+                     reference's, mean position of the first differing token (None: not
+                     measured)
     tasks            {task: drop}           benchmark accuracy drop vs the reference, pp
     task_ci          {task: [lo, hi]}       its paired 95 % interval, pp
     kl_hist          {"edges": [...], "counts": [...], "zero": n} per-token KL histogram on
@@ -68,6 +71,9 @@ COLUMNS: list[tuple[str, str, str, str | None]] = [
     ("kl_max", "KL max", "{:.4g}", "min"),
     ("top1", "top-1", "{:.4f}", "max"),
     ("ppl_ratio", "ppl ratio", "{:.4f}", "one"),
+    # greedy continuations identical to the reference's, and where the first one differs
+    ("greedy_identical", "greedy same", "{:.2f}", "max"),
+    ("greedy_first_diff", "first diff at", "{:.1f}", "max"),
 ]
 
 SCALARS = [
@@ -88,6 +94,8 @@ SCALARS = [
     "ppl_reference",
     "ppl_candidate",
     "ppl_ratio",
+    "greedy_identical",
+    "greedy_first_diff",
 ]
 
 

@@ -39,6 +39,8 @@ def row(ev: EvalFile, *, name: str | None = None, recipe: str | None = None) -> 
         "ppl_reference": m.ppl_reference,
         "ppl_candidate": m.ppl_candidate,
         "ppl_ratio": m.ppl_ratio,
+        "greedy_identical": ev.greedy.identical if ev.greedy else None,
+        "greedy_first_diff": ev.greedy.mean_first_difference if ev.greedy else None,
         "tasks": {t: r.drop_pp for t, r in ok_tasks.items()},
         "task_ci": {t: list(r.ci95_pp) for t, r in ok_tasks.items() if r.ci95_pp},
         "kl_hist": m.kl_hist.to_json(),

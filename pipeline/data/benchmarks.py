@@ -38,6 +38,7 @@ from ..io.network import pip_unreachable
 from ..io.pins import check_cached, pin_path, verify_against_pin
 from ..recipe import EvaluationConfig
 from ..records.benchmarks import Overlap
+from . import custom_tasks
 from .generative import GENERATIVE
 from .generative import extract as extract_generative
 from .generative import task_config as generative_config
@@ -101,7 +102,9 @@ def expand(tasks: list[str]) -> list[str]:
     return [t for name in tasks for t in GROUPS.get(name, [name])]
 
 
-def check_task_names(tasks: list[str], hub_tasks: list[str], *, where: str) -> None:
+def check_task_names(
+    tasks: list[str], hub_tasks: list[str], *, where: str, custom: tuple[str, ...] = ()
+) -> None:
     """Exit 2 before any work for a task qship has no local data for, or (hub_tasks) one
     lm-eval does not know."""
     local = sorted(n for n in LOCAL_TASKS if not n.startswith("mmlu_")) + sorted(GROUPS)
@@ -113,6 +116,12 @@ def check_task_names(tasks: list[str], hub_tasks: list[str], *, where: str) -> N
                 hint=f"local tasks: {', '.join(local)} (or one mmlu_<subject>); any other "
                 "lm-eval task goes in evaluation.hub_tasks (needs the Hub)",
             )
+    for c in custom:
+        if c in LOCAL_TASKS or c in GROUPS:
+            raise UsageError(
+                f"evaluation.custom_tasks: {c!r} is the name of a built-in task",
+                path=where, hint="give the custom task a name of its own",
+            )  # fmt: skip
     if hub_tasks:
         from lm_eval.tasks import TaskManager
 
@@ -294,11 +303,16 @@ def group_items(name: str, data: Path, limit: int | None) -> list[list[str]]:
 def prepare(
     ev: EvaluationConfig, tokenizer: Any, tokens: TokenSets, *, cache_dir: Path,
     checksums_dir: Path, where: str,
-) -> tuple[Path | None, Overlap]:  # fmt: skip
-    """Before any model work: task names checked, the local data fetched and verified, and
-    the overlap of every evaluation set with the calibration text measured -- above
-    evaluation.max_overlap, exit 2. -> (data folder or None, overlap record)."""
-    check_task_names(ev.tasks, ev.hub_tasks, where=where)
+) -> tuple[Path | None, Overlap, Path | None]:  # fmt: skip
+    """Before any model work: task names checked, the local data fetched and verified, the
+    custom tasks checked against their pins (exit 3) and read (exit 2), and the overlap of
+    every evaluation set with the calibration text measured -- above evaluation.max_overlap,
+    exit 2. -> (data folder or None, overlap record, custom tasks' folder or None)."""
+    check_task_names(
+        ev.tasks, ev.hub_tasks, where=where, custom=tuple(t.name for t in ev.custom_tasks)
+    )
+    custom_dir, custom_items = custom_tasks.prepare(ev, tokenizer, cache_dir=cache_dir,
+                                                    where=where)  # fmt: skip
     data = benchmark_data(cache_dir, checksums_dir) if ev.tasks else None
     sets: dict[str, list[list[str]]] = {
         "heldout": [[t] for t in tokenizer.batch_decode(tokens.heldout_ids)]
@@ -306,7 +320,9 @@ def prepare(
     for name in ev.tasks:
         assert data is not None
         sets[name] = group_items(name, data, ev.limit)
+    for name, rows in custom_items.items():
+        sets[name] = rows[: ev.limit or len(rows)]
     calib = tokenizer.batch_decode(tokens.calib_ids)
     ov = measure(calib, sets, max_fraction=ev.max_overlap)
     refuse_if_contaminated(ov, where=where)
-    return data, ov
+    return data, ov, custom_dir

@@ -5,6 +5,9 @@ Sources (`calibration.source` in a recipe):
 * `builtin:english` -- real English text that installs from PyPI / ships with the OS:
   gensim's Lee corpus (`lee_background.cor`, 300 news articles, + `lee.cor`, 50 more),
   the license texts in /usr/share/common-licenses and Python's `pydoc_data` topics.
+* `builtin:python` -- real code offline: Python's own standard library source (the
+  running interpreter's; test suites left out), files picked in a fixed hash order up to
+  PYTHON_BYTES, one document per file (part "code").
 * `hf:<dataset>[:config]` -- a Hub dataset with a `text` column, when it can be had;
   otherwise (offline, no such dataset) the builtin corpus, and the source says so.
 * a local `.txt` (documents = paragraphs) or `.jsonl`/`.json` file (a `text` field per row;
@@ -84,6 +87,32 @@ def _builtin_english() -> Any:
     return datasets.concatenate_datasets(parts)
 
 
+PYTHON_BYTES = 2_000_000  # enough for any mix's share of calibration windows, quick to tokenize
+_TEST_DIRS = {"test", "tests", "idle_test", "unittest"}
+
+
+def _builtin_python() -> Any:
+    import sysconfig
+
+    import datasets
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if p.is_file() and not p.is_symlink()
+             and not _TEST_DIRS & set(p.relative_to(root).parts)
+             and "site-packages" not in p.parts and p.stat().st_size < 200_000]  # fmt: skip
+    files.sort(key=lambda p: hashlib.sha256(str(p.relative_to(root)).encode()).hexdigest())
+    rows, total = [], 0
+    for p in files:
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            continue
+        rows.append({"text": text, "doc_id": f"python:{p.relative_to(root)}", "part": "code"})
+        total += len(text)
+        if total >= PYTHON_BYTES:
+            break
+    return datasets.Dataset.from_list(rows)
+
+
 def _local(path: Path) -> Any:
     import datasets
 
@@ -130,6 +159,8 @@ def load_corpus(source: str) -> tuple[Any, str]:
     """Return (datasets.Dataset with text/doc_id/part, source actually used)."""
     if source == "builtin:english":
         return _builtin_english(), source
+    if source == "builtin:python":
+        return _builtin_python(), source
     if source.startswith("hf:"):
         try:
             return _hub(source[3:]), source

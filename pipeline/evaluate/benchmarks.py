@@ -32,12 +32,13 @@ from typing import Any
 
 from .. import log
 from ..data import benchmarks as data
+from ..data import custom_tasks
 from ..data.generative import CODE_TASKS, GENERATIVE, load_docs
 from ..io.cache import StageCache, stage_key
 from ..model.devices import device_kind
 from ..records.benchmarks import Benchmarks, TaskResult
 from ..records.evaluation import ModelRef
-from . import generative
+from . import custom_scoring, generative
 from .paired import paired
 from .sandbox import Sandbox, sandbox_for
 
@@ -74,8 +75,10 @@ def run_lm_eval(
     offline: bool = True,
     timeout_s: float | None = None,
     offload: str = "none",
+    custom_dir: Path | None = None,
 ) -> tuple[dict[str, dict], float]:
-    """lm-eval on `tasks` (lm-eval task names) in a child process;
+    """lm-eval on `tasks` (lm-eval task names, or custom tasks of `custom_dir`) in a child
+    process;
     {task: {status, metric, items: {doc_id: 0/1}, split, n_total} | {status, reason}}, and
     the child's wall time (all its tasks: lm-eval pools their requests)."""
     if not tasks:
@@ -84,7 +87,7 @@ def run_lm_eval(
         spec = {"model_dir": str(Path(model_dir).resolve()), "tasks": tasks,
                 "data_dir": str(data_dir) if data_dir else None, "limit": limit,
                 "device": device, "dtype": dtype, "batch_size": batch_size, "work": tmp,
-                "offload": offload}  # fmt: skip
+                "offload": offload, "custom_dir": str(custom_dir) if custom_dir else None}  # fmt: skip
         env = dict(os.environ)
         if offline:
             env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
@@ -166,6 +169,12 @@ def _worker(spec: dict) -> None:
     if spec["data_dir"]:
         local = [t for t in spec["tasks"] if t in data.LOCAL_TASKS]
         include = str(data.task_dir(local, Path(spec["data_dir"]), work / "tasks"))
+    custom = custom_tasks.manifest(Path(spec["custom_dir"])) if spec.get("custom_dir") else {}
+    if custom:
+        own = str(custom_tasks.task_dir(Path(spec["custom_dir"]), work / "custom"))
+        include = [p for p in (include, own) if p]  # type: ignore[assignment]
+    # a custom task runs under a name lm-eval cannot already know
+    names = {t: custom_tasks.lm_eval_name(t) if t in custom else t for t in spec["tasks"]}
     tm = TaskManager(include_path=include)
     args = f"pretrained={spec['model_dir']},dtype={spec['dtype']}"
     model: Any = "hf"
@@ -178,15 +187,16 @@ def _worker(spec: dict) -> None:
     r = lm_eval.simple_evaluate(
         model=model,
         model_args=args,
-        tasks=spec["tasks"], task_manager=tm, limit=spec["limit"], device=spec["device"],
+        tasks=list(names.values()), task_manager=tm, limit=spec["limit"], device=spec["device"],
         batch_size=spec["batch_size"], log_samples=True, bootstrap_iters=0,
     )  # fmt: skip
     out: dict[str, Any] = {}
     for t in spec["tasks"]:
-        samples = r["samples"].get(t) or []
-        if t in GENERATIVE:  # qship scores the completions (generative.py)
+        samples = r["samples"].get(names[t]) or []
+        generated = t in GENERATIVE or (t in custom and custom_tasks.generated(custom[t]))
+        if generated:  # qship scores the completions (generative.py, custom_scoring.py)
             done = {str(s["doc_id"]): s["resps"][0][0] for s in samples}
-            n_total = len(load_docs(t, Path(spec["data_dir"])))
+            n_total = custom[t]["n"] if t in custom else len(load_docs(t, Path(spec["data_dir"])))
             out[t] = {"status": "ok", "split": "test", "n_total": n_total, "completions": done}
             continue
         metric = _primary(t, samples[0]) if samples else None
@@ -194,12 +204,12 @@ def _worker(spec: dict) -> None:
             out[t] = {"status": "skipped", "reason": "no per-item accuracy from lm-eval "
                       "(qship pairs acc / acc_norm / exact_match)"}  # fmt: skip
             continue
-        cfg = r["configs"].get(t, {})
+        cfg = r["configs"].get(names[t], {})
         out[t] = {
             "status": "ok", "metric": metric,
             "items": {str(s["doc_id"]): float(s[metric]) for s in samples},
             "split": cfg.get("test_split") or cfg.get("validation_split"),
-            "n_total": (r.get("n-samples") or {}).get(t, {}).get("original"),
+            "n_total": (r.get("n-samples") or {}).get(names[t], {}).get("original"),
         }  # fmt: skip
     (work / "result.json").write_text(json.dumps(out))
 
@@ -237,12 +247,13 @@ def _run_named(
 
 def reference_key(
     model_hash: str, task: str, *, hub: bool, limit: int | None, dtype: str, device: str,
-    batch_size: int,
+    batch_size: int, custom: str | None = None,
 ) -> str:  # fmt: skip
-    """The stage-cache key of one task's per-item reference results."""
+    """The stage-cache key of one task's per-item reference results (`custom`: a custom
+    task's content hash, its rows as the model sees them and how it generates)."""
+    source = f"custom:{custom}" if custom else "hub" if hub else f"{data.PACKAGE}=={data.VERSION}"
     return stage_key(STAGE, {
-        "model_hash": model_hash, "task": task, "limit": limit,
-        "data": "hub" if hub else f"{data.PACKAGE}=={data.VERSION}",
+        "model_hash": model_hash, "task": task, "limit": limit, "data": source,
         "dtype": dtype, "device": device_kind(device), "batch_size": batch_size,
     })  # fmt: skip
 
@@ -251,6 +262,14 @@ def _scored(
     task: str, result: dict, data_dir: Path | None, limit: int | None, sandbox: Sandbox | None
 ) -> dict:
     """A generative task's completions scored per item (the cache holds the completions)."""
+    if "completions" not in result:  # multiple choice: lm-eval's acc per item
+        return result
+    if task not in GENERATIVE:  # a custom JSONL/CSV task (data_dir: its folder)
+        assert data_dir is not None
+        rows = custom_tasks.load_rows(data_dir, task, limit)
+        match = custom_tasks.manifest(data_dir)[task]["match"]
+        return {**result, "items": custom_scoring.score(rows, result["completions"]),
+                "metric": f"correct ({match})"}  # fmt: skip
     assert data_dir is not None
     items = generative.score(task, load_docs(task, data_dir, limit), result["completions"],
                              sandbox)  # fmt: skip
@@ -259,6 +278,12 @@ def _scored(
 
 def _const(record: dict) -> Callable[[Path], dict]:
     return lambda _tmp: record
+
+
+def _source(name: str, hub_tasks: list[str], custom: dict[str, dict]) -> str:
+    if name in custom:
+        return f"custom: {custom[name]['path']} (sha256 {custom[name]['sha256'][:12]}…)"
+    return "hub" if name in hub_tasks else f"{data.PACKAGE}=={data.VERSION}"
 
 
 def compare(
@@ -276,49 +301,56 @@ def compare(
     hub_timeout_s: float = 1800.0,
     offload: str = "none",
     code_execution: str = "off",
+    custom_dir: Path | None = None,
 ) -> Benchmarks:
     """Both models on every task, item by item; the reference from the cache when it can.
-    Code tasks need `code_execution` (sandbox.py); checked before any model runs."""
+    Code tasks need `code_execution` (sandbox.py); checked before any model runs. The
+    custom tasks of `custom_dir` (data/custom_tasks.py) run beside the local ones."""
     code = [t for t in tasks if t in CODE_TASKS]
     sandbox = sandbox_for(code_execution, where="evaluation.code_execution") if code else None
     online, why = hub_reachable() if hub_tasks else (False, "")
+    custom = custom_tasks.manifest(custom_dir) if custom_dir else {}
+    local = [*tasks, *custom]
     # float32 on the CPU as everywhere in evaluate (bf16 matmuls there are slow and lossy)
     dt = dtype or ("float32" if device_kind(device) == "cpu" else "auto")
     kw: dict[str, Any] = dict(data_dir=data_dir, limit=limit, device=device, dtype=dt,
-                              batch_size=batch_size, offload=offload)  # fmt: skip
+                              batch_size=batch_size, offload=offload, custom_dir=custom_dir)  # fmt: skip
     cache = StageCache(Path(cache_dir))
 
     def key(name: str) -> str:
+        content = (
+            custom_tasks.content_hash(custom_dir, name) if custom_dir and name in custom else None
+        )
         return reference_key(reference.model_hash, name, hub=name in hub_tasks, limit=limit,
-                             dtype=dt, device=device, batch_size=batch_size)  # fmt: skip
+                             dtype=dt, device=device, batch_size=batch_size, custom=content)  # fmt: skip
 
     ref: dict[str, dict] = {}
-    for name in [*tasks, *hub_tasks]:
+    for name in [*local, *hub_tasks]:
         hit = cache.lookup(STAGE, key(name))
         if hit is not None:
             ref[name] = {**hit.record, "cached": True}
-    todo_local = [t for t in tasks if t not in ref]
-    todo_hub = [t for t in hub_tasks if t not in ref]
-    got, ref_s = _run_named(reference.path, todo_local, todo_hub, online=online, why=why,
+    got, ref_s = _run_named(reference.path, [t for t in local if t not in ref],
+                            [t for t in hub_tasks if t not in ref], online=online, why=why,
                             hub_timeout_s=hub_timeout_s, **kw)  # fmt: skip
     for name, r in got.items():
         ref[name] = r
         if r["status"] == "ok":
             cache.get_or_build(STAGE, key(name), _const(r), force=True)
-    ok = [n for n in [*tasks, *hub_tasks] if ref[n]["status"] == "ok"]
-    cand, cand_s = _run_named(candidate_dir, [t for t in tasks if t in ok],
+    ok = [n for n in [*local, *hub_tasks] if ref[n]["status"] == "ok"]
+    cand, cand_s = _run_named(candidate_dir, [t for t in local if t in ok],
                       [t for t in hub_tasks if t in ok], online=online, why=why,
                       hub_timeout_s=hub_timeout_s, **kw)  # fmt: skip
     out = {}
-    for name in [*tasks, *hub_tasks]:
+    for name in [*local, *hub_tasks]:
         r, c = ref[name], cand.get(name, {"status": "skipped", "reason": "reference did not run"})
-        source = "hub" if name in hub_tasks else f"{data.PACKAGE}=={data.VERSION}"
+        source = _source(name, hub_tasks, custom)
         if r["status"] != "ok" or c["status"] != "ok":
             reason = r.get("reason") if r["status"] != "ok" else c.get("reason")
             out[name] = TaskResult(status="skipped", reason=reason or "not run", data=source)
             continue
-        if name in GENERATIVE:
-            r, c = (_scored(name, x, data_dir, limit, sandbox) for x in (r, c))
+        if name in GENERATIVE or name in custom:
+            folder = custom_dir if name in custom else data_dir
+            r, c = (_scored(name, x, folder, limit, sandbox) for x in (r, c))
         stats = paired(r["items"], c["items"], where=name)
         out[name] = TaskResult(
             status="ok", data=source, split=r["split"], metric=r["metric"],

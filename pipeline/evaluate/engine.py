@@ -37,11 +37,13 @@ from ..records.evaluation import (
     EvalOptions,
     EvalReport,
     EvalSettings,
+    GreedyAgreement,
     KVShare,
     Metrics,
     ModelRef,
 )
 from ..records.tokens import TokenSetInfo
+from . import greedy as greedy_mod
 from . import kl_stats, reference_cache
 from .numerics import SERVED_NUMERICS, serve_linears, served_attention
 from .scoring import (
@@ -72,6 +74,7 @@ def evaluate(
     overlap: Overlap | None = None,
     corpus: TokenSetInfo | None = None,
     measured_path: Path | None = None,
+    custom_dir: Path | None = None,
 ) -> EvalReport:
     """Compare candidate with reference on `heldout_ids` [sequences, seq_len], as `options`
     say. `options.attention`: the serving engine's attention numerics to simulate with an FP8
@@ -81,7 +84,8 @@ def evaluate(
     module (model/loading.py; disk is host memory here too: a packed checkpoint does not
     survive accelerate's disk offload); lm-eval places them with its own `parallelize`.
     `data_dir`: the pinned benchmark data; `overlap`: its overlap with calibration;
-    `corpus`: where the held-out tokens came from (recorded)."""
+    `corpus`: where the held-out tokens came from (recorded); `custom_dir`: the checked
+    custom tasks (data/custom_tasks.py)."""
     o = options or EvalOptions()
     device = o.device or default_device()
     tasks, hub_tasks, dtype, exact, topk = o.tasks, o.hub_tasks, o.dtype, o.exact, o.topk
@@ -113,6 +117,7 @@ def evaluate(
     t_all = time.perf_counter()
     ref_entry = None
     measured = None
+    greedy: GreedyAgreement | None = None
     if exact:
         t0 = time.perf_counter()
         ref_model, (cand_model, n_linear) = load(reference.path), load_candidate()
@@ -122,6 +127,11 @@ def evaluate(
         t0 = time.perf_counter()
         with served_attention(cand_model, attention, hooked):
             on, off = _lockstep(ref_model, cand_model, ids, batch_size, do_kv_off)
+            if o.greedy_prompts:
+                prompts = greedy_mod.prompts(ids, o.greedy_prompts)
+                ref_cont = greedy_mod.continue_greedily(ref_model, prompts, o.greedy_tokens,
+                                                        batch_size)  # fmt: skip
+                greedy = _greedy(cand_model, prompts, ref_cont, False, o, timings)
         sync(device)
         timings["lockstep_s"] = time.perf_counter() - t0
         del ref_model, cand_model
@@ -133,6 +143,15 @@ def evaluate(
         )  # fmt: skip
         timings["reference_s"] = time.perf_counter() - t0
         ref = ref_entry.load()
+        if o.greedy_prompts:  # the reference's continuations: cached beside its log-probs
+            t0 = time.perf_counter()
+            prompts = greedy_mod.prompts(ids, o.greedy_prompts)
+            ref_cont, ref_hit = greedy_mod.reference_continuations(
+                cache_dir, reference.model_hash, prompts, tokens=o.greedy_tokens,
+                dtype=dtype or "auto", device=device, batch_size=batch_size,
+                load=lambda: load(reference.path),
+            )  # fmt: skip
+            timings["reference_greedy_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         cand_model, n_linear = load_candidate()
         timings["load_s"] = time.perf_counter() - t0
@@ -147,6 +166,8 @@ def evaluate(
             scored = score_against_reference(cand_model, ids, ref, batch_size, passes,
                                              "candidate", capture=capture, timings=spent)  # fmt: skip
             timings.update({f"candidate_{k}": v for k, v in spent.items()})
+            if o.greedy_prompts:
+                greedy = _greedy(cand_model, prompts, ref_cont, ref_hit, o, timings)
         if capture is not None and measured_path is not None:
             measured = capture.save(measured_path, ids, attention if n_hooked else "kv-only")
         on, off = scored["on"], scored.get("off")
@@ -166,7 +187,7 @@ def evaluate(
     metrics_off = Metrics(**off.summary(), kl_mode=mode) if do_kv_off and off else None
 
     benchmarks = Benchmarks()
-    if tasks or hub_tasks:
+    if tasks or hub_tasks or custom_dir:
         from . import benchmarks as bm
 
         t0 = time.perf_counter()
@@ -174,6 +195,7 @@ def evaluate(
             reference, candidate.path, tasks=list(tasks), hub_tasks=list(hub_tasks),
             data_dir=data_dir, limit=o.limit, cache_dir=cache_dir, device=device, dtype=dtype,
             batch_size=o.task_batch_size, offload=offload, code_execution=o.code_execution,
+            custom_dir=custom_dir,
         )  # fmt: skip
         timings["benchmarks_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_all
@@ -221,8 +243,22 @@ def evaluate(
         benchmarks=benchmarks,
         overlap=overlap,
         measured=measured,
+        greedy=greedy,
         timings={k: round(v, 3) for k, v in timings.items()},
     )
+
+
+def _greedy(
+    cand_model: Any, prompts: torch.Tensor, ref_cont: torch.Tensor, ref_hit: bool,
+    o: EvalOptions, timings: dict[str, float],
+) -> GreedyAgreement:  # fmt: skip
+    """The candidate's greedy continuations (as served) against the reference's."""
+    t0 = time.perf_counter()
+    with kv_quantization(cand_model, True):
+        cont = greedy_mod.continue_greedily(cand_model, prompts, o.greedy_tokens, o.batch_size)
+    timings["candidate_greedy_s"] = time.perf_counter() - t0
+    agreed = greedy_mod.agreement(ref_cont, cont)
+    return agreed.model_copy(update={"reference_cached": ref_hit})
 
 
 def _lockstep(

@@ -68,6 +68,8 @@ def render_markdown(ev: EvalFile) -> str:
             f"FP8 KV cache adds {_f(k.kl_mean_added_by_kv)} nats of mean KL "
             f"({100 * k.fraction_of_kl_from_kv:.1f} % of the total).",
         ]
+    if ev.greedy:
+        lines += ["", f"Greedy agreement: {ev.greedy.describe()} ({ev.greedy.engine})."]
     if s.kl_approximation:
         lines += ["", f"KL approximation: {s.kl_approximation}."]
     if ev.benchmarks.tasks:

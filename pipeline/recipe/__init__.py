@@ -9,6 +9,7 @@ from .schema import (
     GATE_FIGURES,
     GPU_METHODS,
     CalibrationConfig,
+    CustomTask,
     DType,
     EvaluationConfig,
     GateOrigin,
@@ -25,7 +26,7 @@ from .schema import (
 from .serving import DEFAULT_WORKLOADS, LongContext, ServeGate, SpeedGates, Workload
 
 __all__ = [
-    "CALIBRATED_METHODS", "GPU_METHODS", "PRESETS", "Activations", "SmoothQuant", "Target", "SHIPPED_RECIPES", "CalibrationConfig",
+    "CALIBRATED_METHODS", "GPU_METHODS", "PRESETS", "Activations", "SmoothQuant", "Target", "SHIPPED_RECIPES", "CalibrationConfig", "CustomTask",
     "DType", "EvaluationConfig", "GATE_FIGURES", "GateOrigin", "Gates", "Group", "KVCache", "LongContext", "Method", "Options", "Recipe",
     "DEFAULT_WORKLOADS", "Role", "Scheme", "ServeGate", "SpeedGates", "Workload", "TaskGate", "find_recipe", "load_recipe", "parse_recipe",
 ]  # fmt: skip

@@ -13,11 +13,12 @@ Top-level keys (all others are an error):
     kv_cache     {scheme: fp8_e4m3, strategy: tensor|attn_head, dynamic: false, query,
                   skip_layers: [i, ...]} | null
     calibration  {source, num_samples, seq_len, batch_size, seed, all_experts,
-                  min_expert_tokens}
-    evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, limit, task_batch_size,
-                  max_overlap}
-    gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, tasks: {name: {max_drop}},
-                  origin: {model, source, measured: {gate: figure}, note}}
+                  min_expert_tokens, chat_template, mix: [{source, weight}]}
+    evaluation   {sequences, seq_len, batch_size, tasks, hub_tasks, custom_tasks, limit,
+                  task_batch_size, max_overlap, greedy_prompts, greedy_tokens}
+    gates        {kl_mean_max, kl_p99_max, top1_min, ppl_ratio_max, greedy_agreement_min,
+                  tasks: {name: {max_drop}}, origin: {model, source, measured: {gate: figure},
+                  note}}
     serve        {engine, kv_cache_dtype, max_kl, min_top1, max_kl_increase, workloads,
                   repeats, seed, gates, long_context} | null (serving.py)
     smoothquant  {strength} | null         -- SmoothQuant before the rounding (INT8 W8A8)
@@ -190,6 +191,29 @@ class KVCache(_Strict):
         return sorted(v)
 
 
+BUILTIN_CORPORA = ("builtin:english", "builtin:python")
+
+
+def _check_source(v: str) -> str:
+    if v.startswith("builtin:") and v not in BUILTIN_CORPORA:
+        raise ValueError(f"the builtin corpora are {', '.join(BUILTIN_CORPORA)}")
+    if v.startswith("hf:") and len(v) <= 3:
+        raise ValueError("write 'hf:<dataset>[:config]'")
+    return v
+
+
+class CorpusShare(_Strict):
+    """One corpus of a calibration mix and its weight (its share of the windows)."""
+
+    source: str
+    weight: float = Field(gt=0, le=1e6)
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        return _check_source(v)
+
+
 class CalibrationConfig(_Strict):
     source: str = "builtin:english"
     # bounds: far above any published calibration set (llm-compressor's examples: 512 x 2048)
@@ -203,15 +227,79 @@ class CalibrationConfig(_Strict):
     # MoE: an expert that received fewer calibration tokens than this fails the run (exit 1)
     # instead of being written with scales from (almost) no data
     min_expert_tokens: int = Field(default=64, ge=1, le=1_000_000_000)
+    # each calibration document wrapped in the model's chat template (a user turn and the
+    # assistant's reply: the document split at its middle line or word), for instruct models
+    chat_template: bool = False
+    # calibration windows drawn from several corpora by weight (e.g. prose and
+    # builtin:python code); the held-out windows still come from `source` alone
+    mix: list[CorpusShare] = Field(default_factory=list)
 
     @field_validator("source")
     @classmethod
     def _source(cls, v: str) -> str:
-        if v.startswith("builtin:") and v != "builtin:english":
-            raise ValueError("the only builtin corpus is 'builtin:english'")
-        if v.startswith("hf:") and len(v) <= 3:
-            raise ValueError("write 'hf:<dataset>[:config]'")
+        return _check_source(v)
+
+    @field_validator("mix")
+    @classmethod
+    def _mix(cls, v: list[CorpusShare]) -> list[CorpusShare]:
+        names = [s.source for s in v]
+        if len(set(names)) != len(names):
+            raise ValueError("a corpus is listed twice in the mix")
         return v
+
+    def key_fields(self) -> dict[str, Any]:
+        """The fields as cache keys hold them: chat_template and mix only when set, so
+        the keys of entries made before they existed stay as they were."""
+        dump = self.model_dump(mode="json")
+        return {k: v for k, v in dump.items() if v or k not in ("chat_template", "mix")}
+
+
+Match = Literal["exact", "regex", "number", "contains", "choices"]
+
+
+class CustomTask(_Strict):
+    """A team's own task: a JSONL or CSV file of prompts and expected answers (under the
+    project's eval/tasks/ folder by convention; a relative path is read from the working
+    directory), pinned by its sha256 (docs/CUSTOM-TASKS.md). `match`: how an answer is
+    judged unless a row says otherwise -- exact (after stripping), regex (the answer is a
+    pattern searched in the completion), number (the first number within `tolerance`),
+    contains (case-insensitive), or choices (multiple choice: the rows carry `choices`,
+    scored by log-likelihood). Or an lm-eval task YAML (`path: ....yaml`) whose JSON/CSV
+    data files are pinned in `data` (its own prompt, metric and generation settings)."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,63}$")
+    path: str = Field(min_length=1)
+    # the file's sha256: a mismatch is exit 3 before any compute (`sha256sum FILE`)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    match: Match = "exact"
+    tolerance: float = Field(default=0.0, ge=0.0, le=1e12)
+    # the prompt wrapped in the model's chat template (a user turn + the generation prompt)
+    chat_template: bool = False
+    max_new_tokens: int = Field(default=32, gt=0, le=4096)
+    # where generation stops (lm-eval's `until`)
+    stop: list[str] = Field(default_factory=lambda: ["\n"])
+    # an lm-eval task YAML's data files, each with its sha256 (paths as the YAML names them)
+    data: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _yaml_or_rows(self) -> CustomTask:
+        is_yaml = self.path.endswith((".yaml", ".yml"))
+        if is_yaml != bool(self.data):
+            raise ValueError(
+                "an lm-eval task YAML pins its data files in `data: {path: sha256}`; a JSONL "
+                "or CSV task takes no `data`"
+                if is_yaml
+                else "`data` is for an lm-eval task YAML"
+            )
+        if is_yaml and self.chat_template:
+            raise ValueError("chat_template applies to JSONL/CSV tasks; an lm-eval YAML "
+                             "writes its own prompt")  # fmt: skip
+        import re
+
+        bad = [d for d in self.data.values() if not re.fullmatch(r"[0-9a-f]{64}", d)]
+        if bad:
+            raise ValueError(f"data: {bad[0]!r} is not a sha256 (64 hex digits)")
+        return self
 
 
 class EvaluationConfig(_Strict):
@@ -229,6 +317,8 @@ class EvaluationConfig(_Strict):
     code_execution: Literal["off", "sandboxed", "sandboxed-no-netns"] = "off"
     # any other lm-eval task, its data from the Hub (skipped with a reason when offline)
     hub_tasks: list[str] = Field(default_factory=list)
+    # a team's own prompts and answers, pinned files (docs/CUSTOM-TASKS.md)
+    custom_tasks: list[CustomTask] = Field(default_factory=list)
     # the first N items of each task (per subject for mmlu); null = the whole split
     limit: int | None = Field(default=None, gt=0, le=10_000_000)
     # lm-eval's batch size: its float32 log-softmax over the vocabulary is batch x length x
@@ -244,6 +334,22 @@ class EvaluationConfig(_Strict):
     # per position, the top-k log-probs of both models stored for the served check
     # (qship/measured.safetensors in the artifact); 0 = store none
     measured_topk: int = Field(default=32, ge=0, le=1024)
+    # greedy agreement (label-free): this many held-out prompts continued greedily for
+    # greedy_tokens tokens by both models, compared token by token; 0 = not measured
+    greedy_prompts: int = Field(default=8, ge=0, le=4096)
+    greedy_tokens: int = Field(default=32, gt=0, le=4096)
+
+    @model_validator(mode="after")
+    def _custom_names(self) -> EvaluationConfig:
+        seen = {*self.tasks, *self.hub_tasks}
+        for t in self.custom_tasks:
+            if t.name in seen:
+                raise ValueError(
+                    f"custom_tasks: the name {t.name!r} is used twice (or by a built-in "
+                    "or hub task); give each task its own name"
+                )
+            seen.add(t.name)
+        return self
 
 
 class TaskGate(_Strict):
@@ -287,6 +393,8 @@ class Gates(_Strict):
     kl_p99_max: float | None = Field(default=None, ge=0)
     top1_min: float | None = Field(default=None, ge=0, le=1)
     ppl_ratio_max: float | None = Field(default=None, gt=0)
+    # the least share of greedy continuations identical to the reference's (0..1)
+    greedy_agreement_min: float | None = Field(default=None, ge=0, le=1)
     tasks: dict[str, TaskGate] = Field(default_factory=dict)
     # not part of the recipe's hash: it explains the limits, it changes no output
     origin: GateOrigin | None = None
@@ -357,12 +465,13 @@ class Recipe(_Strict):
             if g.name in seen:
                 raise ValueError(f"two groups are named {g.name!r}; give each group its own name")
             seen.add(g.name)
-        evaluated = {*self.evaluation.tasks, *self.evaluation.hub_tasks}
+        ev = self.evaluation
+        evaluated = {*ev.tasks, *ev.hub_tasks, *(t.name for t in ev.custom_tasks)}
         for t in self.gates.tasks:
             if t not in evaluated:
                 raise ValueError(
                     f"gates.tasks.{t}: {t!r} is not evaluated; list it in evaluation.tasks "
-                    "(or evaluation.hub_tasks)"
+                    "(or evaluation.hub_tasks, evaluation.custom_tasks)"
                 )
         return self
 

@@ -110,13 +110,43 @@ class EvalOptions(Record):
     """Where the weights live: none (the device), cpu or disk (host memory)."""
     code_execution: str = "off"
     """Whether code tasks may run model-written code in the sandbox (evaluation.code_execution)."""
+    greedy_prompts: int = 0
+    """Held-out prompts continued greedily by both models (0: greedy agreement not measured)."""
+    greedy_tokens: int = 32
+    """Tokens per greedy continuation."""
 
     @classmethod
     def of(cls, ev: EvaluationConfig, **overrides: Any) -> EvalOptions:
         return cls(tasks=tuple(ev.tasks), hub_tasks=tuple(ev.hub_tasks), limit=ev.limit,
                    task_batch_size=ev.task_batch_size, batch_size=ev.batch_size,
                    attention=ev.attention, measured_topk=ev.measured_topk,
-                   code_execution=ev.code_execution, **overrides)  # fmt: skip
+                   code_execution=ev.code_execution, greedy_prompts=ev.greedy_prompts,
+                   greedy_tokens=ev.greedy_tokens, **overrides)  # fmt: skip
+
+
+class GreedyAgreement(Record):
+    """Greedy continuations of held-out prompts, candidate against reference, token for
+    token (label-free: evaluate/greedy.py)."""
+
+    prompts: int
+    """Held-out prompts continued (evaluation.greedy_prompts)."""
+    tokens: int
+    """Tokens each model wrote per prompt (evaluation.greedy_tokens)."""
+    identical: float
+    """Share of continuations identical to the reference's (gates.greedy_agreement_min)."""
+    mean_first_difference: float
+    """Mean position (0-based) of the first token that differs; `tokens` where none does."""
+    token_agreement: float
+    """Share of positions where both wrote the same token."""
+    engine: str
+    """What generated them."""
+    reference_cached: bool = False
+    """The reference's continuations came from the stage cache."""
+
+    def describe(self) -> str:
+        return (f"{self.identical:.0%} of {self.prompts} greedy {self.tokens}-token "
+                f"continuations identical; first difference at token "
+                f"{self.mean_first_difference:.1f} on average")  # fmt: skip
 
 
 class ModelRef(Record):
@@ -258,6 +288,8 @@ class EvalReport(Record):
     """Served speed and memory beside the reference (`--perf`, `compare --serve vllm`)."""
     long_context: LongContextCheck | None = None
     """The long-context retrieval check (recipe `serve.long_context`), when it ran."""
+    greedy: GreedyAgreement | None = None
+    """Greedy agreement with the reference (null: evaluation.greedy_prompts is 0)."""
     timings: dict[str, float] = {}
     """Seconds per step."""
 

@@ -18,6 +18,8 @@ class TokenStats(Record):
     """Windows of calibration.seq_len tokens those documents give."""
     tokens_total: int
     """Tokens in the whole corpus."""
+    calibration_mix: dict[str, int] = {}
+    """calibration.mix: the calibration windows taken from each corpus (empty: one corpus)."""
 
 
 class TokenSetInfo(Record):

@@ -45,6 +45,7 @@ _NOT_QUANT_FIELDS = ("name", "description", "evaluation", "gates", "serve", "oth
 class EvalData:
     data_dir: Path | None  # the pinned benchmark data (None: no local tasks)
     overlap: Overlap
+    custom_dir: Path | None = None  # the custom tasks, checked (None: none)
 
 
 @dataclass
@@ -184,12 +185,12 @@ def eval_data_stage(
         if any(t in CODE_TASKS for t in recipe.evaluation.tasks):  # opt-in, isolation: exit 2
             sandbox_for(recipe.evaluation.code_execution, where=recipe.path)
         tok = AutoTokenizer.from_pretrained(snapshot.path)
-        data, ov = prepare(recipe.evaluation, tok, tokens, cache_dir=ctx.cache_dir,
-                           checksums_dir=ctx.checksums_dir, where=recipe.path)  # fmt: skip
+        data, ov, custom = prepare(recipe.evaluation, tok, tokens, cache_dir=ctx.cache_dir,
+                                   checksums_dir=ctx.checksums_dir, where=recipe.path)  # fmt: skip
         worst = max(ov.sets.items(), key=lambda kv: kv[1].fraction)
         line.note = (f"{len(ov.sets) - 1} benchmark(s); {ov.n}-gram overlap with calibration "
                      f"at most {worst[1].fraction:.2%} ({worst[0]})")  # fmt: skip
-    return EvalData(data, ov)
+    return EvalData(data, ov, custom)
 
 
 def quantize_key(
@@ -198,7 +199,9 @@ def quantize_key(
     resolved = recipe.resolved()
     inputs: dict[str, Any] = {
         "model": snapshot.model_hash,
+        # calibration as keys hold it: its newer fields only when set
         "recipe": {k: resolved[k] for k in _QUANT_FIELDS}
+        | {"calibration": recipe.calibration.key_fields()}
         | {k: resolved[k] for k in _QUANT_OPTIONAL if resolved.get(k) is not None},
         "calib": tokens.calib_hash,
         # GPU and CPU kernels round differently: their checkpoints are different inputs
@@ -305,7 +308,7 @@ def evaluate_stage(
             options=EvalOptions.of(ev, device=ctx.device, offload=ctx.offload,
                                    exact=ctx.exact_kl),
             data_dir=evdata.data_dir, overlap=evdata.overlap, corpus=tokens.info,
-            measured_path=tmp / MEASURED,
+            measured_path=tmp / MEASURED, custom_dir=evdata.custom_dir,
         )  # fmt: skip
         if rep.measured is not None:  # relative in the entry; the entry moves when complete
             rep = rep.model_copy(
