@@ -40,6 +40,7 @@ from ..io.hashing import parse_sha256sums, sha256_bytes
 from ..io.network import retrying
 from ..records.artifact import Provenance, PublishResult
 from ..records.verdict import Verdict
+from . import attestation
 from .signing import SIGNATURE
 from .verify import SUMS, check_sums, read_eval, verify
 
@@ -157,8 +158,10 @@ def _publish_local(root: Path, registry: Path, name: str, version: str, msg: str
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(root / rel, tmp / rel)
             (tmp / SUMS).write_bytes(sums_bytes)
-            if (root / SIGNATURE).exists():
-                shutil.copyfile(root / SIGNATURE, tmp / SIGNATURE)
+            for rel in [SIGNATURE, *attestation.present(root)]:
+                if (root / rel).exists():
+                    (tmp / rel).parent.mkdir(exist_ok=True)
+                    shutil.copyfile(root / rel, tmp / rel)
             check_sums(tmp, [])  # the copy, not the source, is shipped
         rebuild_index(registry)
     return PublishResult(target=f"file://{registry}", name=name, version=version,
@@ -180,6 +183,7 @@ def _publish_hub(
 
     listed = parse_sha256sums((root / SUMS).read_bytes(), where=str(root / SUMS))
     allow = sorted(listed) + [SUMS] + ([SIGNATURE] if (root / SIGNATURE).exists() else [])
+    allow += attestation.present(root)
     api = HfApi(endpoint=endpoint, token=token)
     host = f"Hub API {endpoint or constants.ENDPOINT}"
     where = f"hf://{repo_id}"

@@ -40,6 +40,18 @@ def package_cmd(
     sign_key: Annotated[
         Path | None, typer.Option("--sign-key", help="EC private key (PEM) to sign with.")
     ] = None,
+    sign_cert: Annotated[
+        Path | None,
+        typer.Option(
+            "--sign-cert",
+            help="With --sign-key: its certificate (PEM), for the "
+            "attestations' certificate method.",
+        ),
+    ] = None,  # fmt: skip
+    cert_chain: Annotated[
+        list[Path] | None,
+        typer.Option("--cert-chain", help="With --sign-cert: the chain's certificates (PEM)."),
+    ] = None,
     shard_size: Annotated[int, typer.Option("--shard-size", help="Max bytes per shard.")] = 0,
     no_probe: Annotated[
         bool, typer.Option("--no-probe", help="Skip the fp32 CPU load-probe fingerprint.")
@@ -74,7 +86,8 @@ def package_cmd(
     report = EvalReport(**{k: getattr(ev, k) for k in EvalReport.model_fields})
     return package(
         checkpoint=qc, recipe=load_recipe(recipe), evaluation=report, verdict=ev.verdict,
-        out=out, source=src, sign_key=sign_key, shard_size=shard_size or DEFAULT_SHARD_SIZE,
+        out=out, source=src, sign_key=sign_key, sign_cert=sign_cert,
+        cert_chain=tuple(cert_chain or ()), shard_size=shard_size or DEFAULT_SHARD_SIZE,
         probe=not no_probe,
     )  # fmt: skip
 
@@ -85,6 +98,14 @@ def verify_cmd(
         bool, typer.Option("--require-signature", help="Fail unless model.sig verifies.")
     ] = False,
     pubkey: Annotated[Path | None, typer.Option("--pubkey", help="EC public key (PEM).")] = None,
+    cert_chain: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--cert-chain",
+            help="Certificates (PEM) the attestations' signing "
+            "certificate must chain to (certificate method).",
+        ),
+    ] = None,  # fmt: skip
     load: Annotated[bool, typer.Option("--load", help="Also load and run the probe.")] = False,
     atol: Annotated[float, typer.Option("--atol", help="Probe logit tolerance.")] = 0.05,
     serve: Annotated[
@@ -143,7 +164,7 @@ def verify_cmd(
         raise UsageError("--perf needs --serve vllm and --reference MODEL_DIR", path="--perf",
                          hint="pass the 16-bit model the artifact was quantized from")  # fmt: skip
     report = verify(artifact, require_signature=require_signature, pubkey=pubkey, load=load,
-                    atol=atol)  # fmt: skip
+                    atol=atol, cert_chain=list(cert_chain or []))  # fmt: skip
     if serve is None:
         return report
     if reference is not None:
