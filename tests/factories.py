@@ -137,7 +137,7 @@ def entries(cache: Path) -> list[Path]:
 # --- artifacts and signing ----------------------------------------------------------------
 
 
-def resum(art: Path) -> None:
+def resum(art: Path, *, bom: bool = True) -> None:
     """Rewrite SHA256SUMS to match the files, and the unsigned statements' subjects and
     results to match it (restate), so a deeper check is what must fail."""
     from pipeline.artifact.attestation import covered_by_sums
@@ -152,16 +152,31 @@ def resum(art: Path) -> None:
     )
     sums = {r: sha256_file(art / r).sha256 for r in rels}
     (art / "SHA256SUMS").write_text(format_sha256sums(sums))
-    restate(art, sums)
+    restate(art, sums, bom=bom)
 
 
-def restate(art: Path, sums: dict[str, str]) -> None:
+def restate(art: Path, sums: dict[str, str], *, bom: bool = True) -> None:
     """The statements as a re-packager who rewrites every record consistently would leave
-    them: subjects = SHA256SUMS, results = eval.json (when eval.json is still a record)."""
+    them: subjects = SHA256SUMS, results = eval.json (when eval.json is still a record),
+    the BOM's file hashes = SHA256SUMS (when the BOM is still JSON; SHA256SUMS re-summed)."""
     from pipeline.artifact import attestation
+    from pipeline.artifact.bom import BOM
     from pipeline.errors import UsageError
     from pipeline.records.attestation import QuantResults
     from pipeline.records.evaluation import EvalFile
+
+    try:
+        doc = json.loads((art / BOM).read_text()) if bom else None
+        for c in doc.get("components", []) if doc else []:
+            rel = str(c.get("bom-ref", "")).removeprefix("file:")
+            if c.get("bom-ref", "").startswith("file:") and rel in sums and c.get("hashes"):
+                c["hashes"][0]["content"] = sums[rel]
+        if doc:
+            (art / BOM).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            sums[BOM] = sha256_file(art / BOM).sha256
+            (art / "SHA256SUMS").write_text(format_sha256sums(sums))
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
 
     for rel in attestation.STATEMENTS:
         path = art / rel

@@ -10,6 +10,7 @@ folder that the next run removes):
     eval.json        EvalFile: the evaluation, the verdict, the quantize figures, the probe
     provenance.json  Provenance: source, hashes, calibration, versions, qship commit, timings
     README.md        the model card (model_card.py)
+    bom.cdx.json     CycloneDX 1.6 ML-BOM over the files above and the inputs (bom.py)
     qship/measured.safetensors  the held-out ids and measured top-k log-probs that
                      `qship verify --serve` compares a serving engine with (when evaluated
                      with evaluation.measured_topk > 0)
@@ -43,10 +44,10 @@ from ..records.checkpoint import QuantizedCheckpoint
 from ..records.evaluation import EvalFile, EvalReport
 from ..records.snapshot import Snapshot
 from ..records.verdict import Verdict
-from . import attestation, attestation_check, model_card
+from . import attestation, attestation_check, bom, model_card
 from .probe import fingerprint, probe_ids
 from .provenance import PROVENANCE, build_provenance
-from .signing import SIGNATURE, sign_artifact
+from .signing import sign_artifact
 from .verify import SUMS, check_records, check_sums, check_weights
 from .weights import DEFAULT_SHARD_SIZE, source_weights, write_weights
 
@@ -175,9 +176,9 @@ def package(
             served=evaluation.served,
         )
         (tmp / PROVENANCE).write_text(json.dumps(prov.to_json(), indent=2, sort_keys=True) + "\n")
-        rels = [p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()]
-        digests = hash_files(tmp, [r for r in rels if r not in (SUMS, SIGNATURE)])
-        sums = {r: d.sha256 for r, d in digests.items()}
+        written = {r: d.sha256 for r, d in hash_files(tmp, _files(tmp)).items()}
+        (tmp / bom.BOM).write_text(bom.build(written, name=name, prov=prov, ckpt=checkpoint, ev=ev))
+        sums = {r: d.sha256 for r, d in hash_files(tmp, _files(tmp)).items()}
         (tmp / SUMS).write_text(format_sha256sums(sums))
         # the artifact must pass its own gate before it may exist under its final name
         checks: list[str] = []
@@ -201,6 +202,10 @@ def package(
         passed=verdict.passed,
         timings=steps,
     )
+
+
+def _files(root: Path) -> list[str]:
+    return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
 
 
 def portable(ev: EvalFile) -> EvalFile:

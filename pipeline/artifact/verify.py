@@ -32,7 +32,7 @@ from ..model.checkpoint import inspect_checkpoint
 from ..model.files import TOKENIZER_KEYS
 from ..records.artifact import Provenance, VerifyReport
 from ..records.evaluation import EvalFile
-from . import attestation_check
+from . import attestation_check, bom
 from .attestation import covered_by_sums
 from .probe import compare_fingerprint, probe_logits
 from .signing import SIGNATURE, check_signature
@@ -196,6 +196,7 @@ def verify(
     tensors = check_weights(root, checks)
     signature = check_signature(root, pubkey=Path(pubkey) if pubkey else None,
                                 require=require_signature)  # fmt: skip
+    bom.check(root, listed, checks)
     attested = attestation_check.check(root, listed, prov=read_provenance(root), ev=ev,
                                        pubkey=Path(pubkey) if pubkey else None,
                                        cert_chain=cert_chain, require=require_signature,
