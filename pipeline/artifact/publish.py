@@ -17,6 +17,8 @@ Targets
   (`<registry>/.lock`). An existing version is never overwritten: identical content
   (same SHA256SUMS and model.sig) is an idempotent no-op, anything else is a UsageError
   (exit 2).
+* `oci://HOST/REPO:TAG` — an OCI registry, as an OCI artifact (oci.py): every file a layer
+  with its digest, the attestations and the BOM with their media types; the tag last.
 * `hf://org/name` — the Hugging Face Hub, through `HfApi(endpoint=...).upload_folder`,
   only the files SHA256SUMS lists plus SHA256SUMS and model.sig, with a commit message
   naming the recipe (name and sha256) and the verdict.
@@ -40,7 +42,7 @@ from ..io.hashing import parse_sha256sums, sha256_bytes
 from ..io.network import retrying
 from ..records.artifact import Provenance, PublishResult
 from ..records.verdict import Verdict
-from . import attestation
+from . import attestation, oci
 from .signing import SIGNATURE
 from .verify import SUMS, check_sums, read_eval, verify
 
@@ -268,8 +270,13 @@ def publish(
             revision=rev,
             private=private,
         )
+    if u.scheme == "oci":
+        ref, digest, status = oci.push(root, target)
+        return PublishResult(target=target, name=ref.repo, version=str(ref.tag),
+                             location=f"oci://{ref.host}/{ref.repo}@{digest}", status=status,
+                             commit_message=commit_message(ref.repo, facts))  # fmt: skip
     raise UsageError(
         f"unknown publish target {target!r}",
         path=target,
-        hint="use file:///abs/path/registry or hf://org/name",
+        hint="use file:///abs/path/registry, hf://org/name or oci://HOST/REPO:TAG",
     )

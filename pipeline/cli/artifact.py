@@ -93,7 +93,9 @@ def package_cmd(
 
 
 def verify_cmd(
-    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    target: Annotated[
+        str, typer.Argument(help="Artifact directory, or oci://HOST/REPO@sha256:… (or :TAG).")
+    ],
     require_signature: Annotated[
         bool, typer.Option("--require-signature", help="Fail unless model.sig verifies.")
     ] = False,
@@ -160,6 +162,14 @@ def verify_cmd(
     served speed and memory."""
     from ..artifact.verify import verify
 
+    if target.startswith("oci://"):
+        if serve is not None:
+            raise UsageError("--serve runs on a folder: pull it first", path="--serve")
+        from ..artifact.oci import verify_remote
+
+        return verify_remote(target, require_signature=require_signature, pubkey=pubkey,
+                             load=load, atol=atol, cert_chain=list(cert_chain or []))  # fmt: skip
+    artifact = Path(target)
     if perf and (serve != "vllm" or reference is None):
         raise UsageError("--perf needs --serve vllm and --reference MODEL_DIR", path="--perf",
                          hint="pass the 16-bit model the artifact was quantized from")  # fmt: skip
@@ -323,7 +333,9 @@ def _serve_check(
 
 def publish_cmd(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
-    to: Annotated[str, typer.Option("--to", help="file:///abs/registry or hf://org/name")],
+    to: Annotated[
+        str, typer.Option("--to", help="file:///abs/registry, hf://org/name or oci://HOST/REPO:TAG")
+    ],
     name: Annotated[str | None, typer.Option("--name", help="Registry name.")] = None,
     version: Annotated[str | None, typer.Option("--version", help="Registry version.")] = None,
     require_signature: Annotated[bool, typer.Option("--require-signature")] = False,
