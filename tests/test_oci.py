@@ -122,3 +122,31 @@ def test_unreachable_is_exit_5_and_no_tag_is_exit_2(packaged_artifact, capsys, m
     assert rc == 2 and "tag or a digest" in err["message"]
     rc, err = cli(["verify", "oci://127.0.0.1:1/q/t"], capsys)
     assert rc == 2
+
+
+def test_a_push_that_fails_midway_leaves_no_tag(open_registry, packaged_artifact, capsys,
+                                               monkeypatch):  # fmt: skip
+    """The registry goes away after some blobs (every later call refused): exit 5, and the
+    tag does not exist; the same command then publishes."""
+    import httpx
+
+    monkeypatch.setenv("QSHIP_NET_BACKOFF", "0")
+    monkeypatch.setenv("QSHIP_NET_RETRIES", "2")
+    real = httpx.Client.request
+    calls = {"n": 0}
+
+    def flaky(self, method, url, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] > 12:
+            raise httpx.ConnectError("connection refused")
+        return real(self, method, url, *a, **kw)
+
+    monkeypatch.setattr(httpx.Client, "request", flaky)
+    target = f"oci://{open_registry.host}/qship/half:w4"
+    rc, err = cli(["publish", str(packaged_artifact), "--to", target], capsys)
+    assert rc == 5 and "nothing was tagged" in err["hint"]
+    monkeypatch.setattr(httpx.Client, "request", real)
+    url = f"http://{open_registry.host}/v2/qship/half/manifests/w4"
+    assert httpx.get(url, headers={"Accept": oci.MANIFEST_TYPE}).status_code == 404
+    rc, out = cli(["publish", str(packaged_artifact), "--to", target], capsys)
+    assert rc == 0 and out["status"] == "published"
