@@ -150,3 +150,27 @@ def test_a_push_that_fails_midway_leaves_no_tag(open_registry, packaged_artifact
     assert httpx.get(url, headers={"Accept": oci.MANIFEST_TYPE}).status_code == 404
     rc, out = cli(["publish", str(packaged_artifact), "--to", target], capsys)
     assert rc == 0 and out["status"] == "published"
+
+
+def test_modelcar_image(open_registry, packaged_artifact, tmp_path, capsys):
+    """--as modelcar: one tar layer with every file under models/, reproducible; verify
+    pulls it, unpacks it and runs every check."""
+    import tarfile
+
+    target = f"oci://{open_registry.host}/qship/modelcar:w4"
+    rc, out = cli(["publish", str(packaged_artifact), "--to", target, "--as", "modelcar"], capsys)
+    assert rc == 0 and out["status"] == "published", out
+    rc, again = cli(["publish", str(packaged_artifact), "--to", target, "--as", "modelcar"],
+                    capsys)  # fmt: skip
+    assert again["status"] == "unchanged" and again["location"] == out["location"]
+    rc, rep = cli(["verify", out["location"]], capsys)
+    assert rc == 0 and any("in-toto statements" in c for c in rep["checks"]), rep
+    from pipeline.artifact import modelcar
+
+    body, blobs = modelcar.image(packaged_artifact, oci.shipped(packaged_artifact), tmp_path,
+                                 oci.MANIFEST_TYPE)  # fmt: skip
+    layer = json.loads(body)["layers"][0]
+    with tarfile.open(blobs[layer["digest"]]) as tar:
+        names = tar.getnames()
+        assert all(m.mtime == 0 and m.uid == 0 for m in tar.getmembers())
+    assert "models/config.json" in names and "models/attestation/provenance.json" in names

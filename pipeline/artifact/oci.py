@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import IntegrityError, UsageError
 from ..io.hashing import parse_sha256sums, sha256_bytes
 from ..io.network import api_timeout, retrying
-from . import attestation
+from . import attestation, modelcar
 from .bom import BOM
 from .bom import MEDIA_TYPE as BOM_TYPE
 from .signing import SIGNATURE
@@ -156,13 +156,18 @@ class _Bearer:
         return request
 
 
+def shipped(root: Path) -> list[str]:
+    """What goes into the registry: SHA256SUMS's files, SHA256SUMS, model.sig, attestations."""
+    listed = parse_sha256sums((root / SUMS).read_bytes(), where=str(root / SUMS))
+    return sorted([*listed, SUMS, *([SIGNATURE] if (root / SIGNATURE).exists() else []),
+                   *attestation.present(root)])  # fmt: skip
+
+
 def manifest_for(root: Path) -> tuple[bytes, dict[str, Path]]:
     """(the manifest's bytes, digest -> file) for an artifact folder."""
     listed = parse_sha256sums((root / SUMS).read_bytes(), where=str(root / SUMS))
-    rels = sorted([*listed, SUMS, *([SIGNATURE] if (root / SIGNATURE).exists() else []),
-                   *attestation.present(root)])  # fmt: skip
     layers, blobs = [], {}
-    for rel in rels:
+    for rel in shipped(root):
         data = (root / rel).read_bytes()
         digest = "sha256:" + (listed.get(rel) or sha256_bytes(data))
         blobs[digest] = root / rel
@@ -173,32 +178,46 @@ def manifest_for(root: Path) -> tuple[bytes, dict[str, Path]]:
     return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode(), blobs
 
 
-def push(root: Path, target: str) -> tuple[Ref, str, str]:
-    """Push a verified artifact folder; (ref, manifest digest, 'published' | 'unchanged')."""
+def push(root: Path, target: str, layout: str = "artifact") -> tuple[Ref, str, str]:
+    """Push a verified artifact folder as an OCI artifact or (layout "modelcar") a Modelcar
+    image; (ref, manifest digest, 'published' | 'unchanged')."""
+    import tempfile
+
     ref = parse_ref(target)
     if ref.tag is None:
         raise UsageError("publish needs a tag: oci://HOST/REPO:TAG", path=target)
-    body, blobs = manifest_for(root)
+    if layout not in ("artifact", "modelcar"):
+        raise UsageError(f"--as {layout!r}: use artifact or modelcar", path="--as")
+    with tempfile.TemporaryDirectory(prefix="qship-oci-") as tmp:
+        work = Path(tmp)
+        if layout == "modelcar":
+            body, blobs = modelcar.image(root, shipped(root), work, MANIFEST_TYPE)
+        else:
+            body, blobs = manifest_for(root)
+            (work / "empty.json").write_bytes(b"{}")
+            blobs[EMPTY["digest"]] = work / "empty.json"
+        return _upload(ref, body, blobs)
+
+
+def _upload(ref: Ref, body: bytes, blobs: dict[str, Path]) -> tuple[Ref, str, str]:
     digest = "sha256:" + sha256_bytes(body)
     reg = Registry(ref)
     head = reg.call("HEAD", f"/manifests/{ref.tag}", "reading the tag",
                     headers={"Accept": MANIFEST_TYPE})  # fmt: skip
     if head.status_code == 200 and head.headers.get("docker-content-digest") == digest:
         return ref, digest, "unchanged"
-    uploads: dict[str, Path | None] = {**blobs, EMPTY["digest"]: None}  # None: the config
-    for d, path in uploads.items():
+    for d, path in blobs.items():
         if reg.call("HEAD", f"/blobs/{d}", f"checking blob {d[:19]}").status_code == 200:
             continue
         start = reg.call("POST", "/blobs/uploads/", "starting an upload")
         _accepted(start, "an upload", ref)
         loc = start.headers.get("location", "")
         loc = loc if "://" in loc else f"{reg.base.split('/v2/')[0]}{loc}"
-        data = b"{}" if path is None else path.read_bytes()
         # the upload URL carries the registry's state in its query: the digest is added to it
         loc += ("&" if "?" in loc else "?") + f"digest={d}"
-        done = reg.call("PUT", loc, f"uploading {path.name if path else 'config'}", content=data,
+        done = reg.call("PUT", loc, f"uploading {path.name}", content=path.read_bytes(),
                         headers={"Content-Type": "application/octet-stream"})  # fmt: skip
-        _accepted(done, f"the blob {path.name if path else 'config'}", ref)
+        _accepted(done, f"the blob {path.name}", ref)
     for reference in (digest, ref.tag):  # the tag last: a failed push leaves none
         r = reg.call("PUT", f"/manifests/{reference}", "putting the manifest", content=body,
                      headers={"Content-Type": MANIFEST_TYPE})  # fmt: skip
@@ -220,6 +239,20 @@ def _safe(rel: Any) -> str:
     return p.as_posix()
 
 
+def _blob(reg: Registry, ref: Ref, layer: dict, rel: str) -> bytes:
+    """A layer's bytes, held to its digest."""
+    got_blob = reg.call("GET", f"/blobs/{layer['digest']}", f"downloading {rel}")
+    if got_blob.status_code == 404:
+        raise IntegrityError(f"layer {rel}: blob {layer['digest']} is missing from the "
+                             "registry", path=f"{ref}#{rel}", hint="do not deploy it")  # fmt: skip
+    got = "sha256:" + sha256_bytes(got_blob.content)
+    if got != layer["digest"]:
+        raise IntegrityError(f"layer {rel}: the registry served bytes with {got}, the "
+                             f"manifest says {layer['digest']}", path=f"{ref}#{rel}",
+                             hint="the registry's copy was altered; do not deploy it")  # fmt: skip
+    return got_blob.content
+
+
 def pull(text: str, dest: Path) -> tuple[Ref, str]:
     """Every layer into dest, each held to its digest; (ref, the manifest's digest)."""
     ref = parse_ref(text)
@@ -237,20 +270,21 @@ def pull(text: str, dest: Path) -> tuple[Ref, str]:
         layers = json.loads(r.content)["layers"]
     except (ValueError, KeyError, TypeError) as e:
         raise IntegrityError(f"malformed manifest ({e})", path=str(ref)) from e
+    config = json.loads(r.content).get("config", {})
+    if isinstance(config, dict) and config.get("mediaType") == modelcar.CONFIG_TYPE:
+        if len(layers) != 1:
+            raise IntegrityError(f"a modelcar image has one layer, this one {len(layers)}",
+                                 path=str(ref))  # fmt: skip
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="qship-layer-") as tmp:
+            (Path(tmp) / "layer.tar").write_bytes(_blob(reg, ref, layers[0], modelcar.MODELS))
+            modelcar.extract(Path(tmp) / "layer.tar", dest, where=str(ref))
+        return ref, digest
     for layer in layers:
         rel = _safe(layer.get("annotations", {}).get(TITLE))
-        got_blob = reg.call("GET", f"/blobs/{layer['digest']}", f"downloading {rel}")
-        if got_blob.status_code == 404:
-            raise IntegrityError(f"layer {rel}: blob {layer['digest']} is missing from the "
-                                 "registry", path=f"{ref}#{rel}", hint="do not deploy it")  # fmt: skip
-        blob = got_blob.content
-        got = "sha256:" + sha256_bytes(blob)
-        if got != layer["digest"]:
-            raise IntegrityError(f"layer {rel}: the registry served bytes with {got}, the "
-                                 f"manifest says {layer['digest']}", path=f"{ref}#{rel}",
-                                 hint="the registry's copy was altered; do not deploy it")  # fmt: skip
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        (dest / rel).write_bytes(blob)
+        (dest / rel).write_bytes(_blob(reg, ref, layer, rel))
     return ref, digest
 
 

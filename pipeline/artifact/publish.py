@@ -230,6 +230,7 @@ def publish(
     endpoint: str | None = None,
     token: str | None = None,
     private: bool = False,
+    layout: str = "artifact",
 ) -> PublishResult:
     root = Path(artifact)
     verify(root, require_signature=require_signature, pubkey=pubkey)  # exit 3 on failure
@@ -271,7 +272,7 @@ def publish(
             private=private,
         )
     if u.scheme == "oci":
-        ref, digest, status = oci.push(root, target)
+        ref, digest, status = oci.push(root, target, layout)
         return PublishResult(target=target, name=ref.repo, version=str(ref.tag),
                              location=f"oci://{ref.host}/{ref.repo}@{digest}", status=status,
                              commit_message=commit_message(ref.repo, facts))  # fmt: skip

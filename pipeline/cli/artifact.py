@@ -341,6 +341,14 @@ def publish_cmd(
     require_signature: Annotated[bool, typer.Option("--require-signature")] = False,
     pubkey: Annotated[Path | None, typer.Option("--pubkey", help="EC public key (PEM).")] = None,
     endpoint: Annotated[str | None, typer.Option("--endpoint", help="Hub endpoint URL.")] = None,
+    layout: Annotated[
+        str,
+        typer.Option(
+            "--as",
+            help="oci:// only: artifact (a layer per file) or modelcar (a "
+            "KServe Modelcar image, the files under /models).",
+        ),
+    ] = "artifact",  # fmt: skip
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> PublishResult:
@@ -348,4 +356,4 @@ def publish_cmd(
     from ..artifact.publish import publish
 
     return publish(artifact, to, name=name, version=version, pubkey=pubkey,
-                   require_signature=require_signature, endpoint=endpoint)  # fmt: skip
+                   require_signature=require_signature, endpoint=endpoint, layout=layout)  # fmt: skip
