@@ -137,16 +137,60 @@ def entries(cache: Path) -> list[Path]:
 # --- artifacts and signing ----------------------------------------------------------------
 
 
-def resum(art: Path) -> None:
-    """Rewrite SHA256SUMS to match the files, so a deeper check is what must fail."""
+def resum(art: Path, *, bom: bool = True) -> None:
+    """Rewrite SHA256SUMS to match the files, and the unsigned statements' subjects and
+    results to match it (restate), so a deeper check is what must fail."""
+    from pipeline.artifact.attestation import covered_by_sums
+
     rels = sorted(
         p.relative_to(art).as_posix()
         for p in art.rglob("*")
-        if p.is_file() and not p.is_symlink() and p.name not in ("SHA256SUMS", SIGNATURE)
+        if p.is_file()
+        and not p.is_symlink()
+        and p.name not in ("SHA256SUMS", SIGNATURE)
+        and covered_by_sums(p.relative_to(art).as_posix())
     )
-    (art / "SHA256SUMS").write_text(
-        format_sha256sums({r: sha256_file(art / r).sha256 for r in rels})
-    )
+    sums = {r: sha256_file(art / r).sha256 for r in rels}
+    (art / "SHA256SUMS").write_text(format_sha256sums(sums))
+    restate(art, sums, bom=bom)
+
+
+def restate(art: Path, sums: dict[str, str], *, bom: bool = True) -> None:
+    """The statements as a re-packager who rewrites every record consistently would leave
+    them: subjects = SHA256SUMS, results = eval.json (when eval.json is still a record),
+    the BOM's file hashes = SHA256SUMS (when the BOM is still JSON; SHA256SUMS re-summed)."""
+    from pipeline.artifact import attestation
+    from pipeline.artifact.bom import BOM
+    from pipeline.errors import UsageError
+    from pipeline.records.attestation import QuantResults
+    from pipeline.records.evaluation import EvalFile
+
+    try:
+        doc = json.loads((art / BOM).read_text()) if bom else None
+        for c in doc.get("components", []) if doc else []:
+            rel = str(c.get("bom-ref", "")).removeprefix("file:")
+            if c.get("bom-ref", "").startswith("file:") and rel in sums and c.get("hashes"):
+                c["hashes"][0]["content"] = sums[rel]
+        if doc:
+            (art / BOM).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            sums[BOM] = sha256_file(art / BOM).sha256
+            (art / "SHA256SUMS").write_text(format_sha256sums(sums))
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+
+    for rel in attestation.STATEMENTS:
+        path = art / rel
+        if not path.is_file():
+            continue
+        st = json.loads(path.read_text())
+        st["subject"] = attestation.subjects(art, sums)
+        if rel == attestation.RESULTS_STATEMENT and "eval.json" in sums:
+            try:
+                ev = EvalFile.from_json(json.loads((art / "eval.json").read_text()))
+                st["predicate"] = QuantResults.of(ev, sums["eval.json"]).to_json()
+            except (ValueError, UsageError):
+                pass
+        path.write_text(json.dumps(st, indent=2, sort_keys=True) + "\n")
 
 
 def reseal(art: Path, *records: str) -> None:

@@ -51,7 +51,7 @@ def test_artifact_layout(packaged_artifact, tiny_quantized_dir, package_inputs):
         assert f in names, f
     assert oct(art.stat().st_mode & 0o777) != oct(0o700)  # readable by others (umask)
     sums = parse_sha256sums((art / "SHA256SUMS").read_bytes())
-    assert set(sums) == set(names) - {"SHA256SUMS"}
+    assert set(sums) == set(names) - {"SHA256SUMS", "attestation"}
     cfg = json.loads((art / "config.json").read_text())
     assert cfg["quantization_config"]["format"] == "pack-quantized"
     assert (art / "config.json").read_bytes() == (tiny_quantized_dir / "config.json").read_bytes()
@@ -89,7 +89,7 @@ def test_artifact_layout(packaged_artifact, tiny_quantized_dir, package_inputs):
     assert "model.safetensors" in prov["quantized_checkpoint"]
     assert prov["library_versions"]["llmcompressor"] == "0.14.0.1"
     assert "git_commit" in prov["qship"]
-    assert "package.package_s" in prov["timings"]
+    assert prov["timings"] == {}  # the times are in the statement, outside SHA256SUMS
 
 
 def test_model_card(packaged_artifact, package_inputs):
@@ -111,24 +111,28 @@ def test_model_card(packaged_artifact, package_inputs):
 
 
 def test_deterministic(package_inputs, tmp_path, monkeypatch):
-    """Package twice: byte-identical except provenance.json timings (and its SHA256SUMS line)."""
+    """Package twice: every file SHA256SUMS lists, and SHA256SUMS, byte-identical, so the
+    statements' subjects are too; only the statements' run details (times) differ."""
     fixed = QshipVersion(version="0", git_commit="f" * 40, dirty=False)
     monkeypatch.setattr(provenance, "qship_version", lambda: fixed)
-    a = P.package(out=tmp_path / "a", **package_inputs).path
-    time.sleep(0.05)
-    b = P.package(out=tmp_path / "b", **package_inputs).path
-    fa = sorted(p.name for p in a.iterdir())
-    assert fa == sorted(p.name for p in b.iterdir())
-    for name in fa:
-        if name in ("provenance.json", "SHA256SUMS"):
-            continue
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    pa, pb = (json.loads((d / "provenance.json").read_text()) for d in (a, b))
-    pa.pop("timings"), pb.pop("timings")
-    assert pa == pb
+    a = P.package(out=tmp_path / "a", timings={"quantize_s": 1.0}, **package_inputs).path
+    time.sleep(1.1)  # the statements' times are to the second
+    b = P.package(out=tmp_path / "b", timings={"quantize_s": 2.0}, **package_inputs).path
     sa, sb = (parse_sha256sums((d / "SHA256SUMS").read_bytes()) for d in (a, b))
-    sa.pop("provenance.json"), sb.pop("provenance.json")
     assert sa == sb
+    assert (a / "SHA256SUMS").read_bytes() == (b / "SHA256SUMS").read_bytes()
+    for rel in sa:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+    from pipeline.artifact.attestation import PROVENANCE_STATEMENT, STATEMENTS
+
+    for rel in STATEMENTS:
+        st_a, st_b = (json.loads((d / rel).read_text()) for d in (a, b))
+        assert st_a["subject"] == st_b["subject"]
+        if rel != PROVENANCE_STATEMENT:
+            assert st_a == st_b
+    run_a, run_b = (json.loads((d / PROVENANCE_STATEMENT).read_text())["predicate"]["runDetails"]
+                    for d in (a, b))  # fmt: skip
+    assert run_a["metadata"] != run_b["metadata"]
 
 
 def test_single_shard_and_signing(package_inputs, tmp_path):

@@ -130,7 +130,12 @@ def test_publish_require_signature(packaged_artifact, tmp_path):
         publish(packaged_artifact, f"file://{reg}", require_signature=True, pubkey=pub_a)
     art = tmp_path / "art"
     shutil.copytree(packaged_artifact, art)
-    from pipeline.artifact.signing import sign_artifact
+    from pipeline.artifact import attestation
+    from pipeline.artifact.signing import sign_artifact as sign
+
+    def sign_artifact(art: Path, key: Path) -> None:  # as `qship package --sign-key` does
+        attestation.sign(art, attestation.SigningKey(key))
+        sign(art, key)
 
     sign_artifact(art, priv_b)  # signed, but by another key
     with pytest.raises(IntegrityError, match="signature verification failed"):
@@ -139,6 +144,7 @@ def test_publish_require_signature(packaged_artifact, tmp_path):
     sign_artifact(art, priv_a)
     res = publish(art, f"file://{reg}", require_signature=True, pubkey=pub_a)
     assert (Path(res.location) / "model.sig").is_file()
+    assert (Path(res.location) / "attestation" / "results.sigstore.json").is_file()
     idx = json.loads((reg / "index.json").read_text())
     assert idx["models"][res.name][res.version]["signed"] is True
 
@@ -232,7 +238,9 @@ def test_hub_publish_upload_folder(packaged_artifact, fake_hub):
         for x in commit["lines"]
         if x["key"] == "file"
     }
-    assert sorted(files) == sorted(p.name for p in packaged_artifact.iterdir())
+    shipped = [p.relative_to(packaged_artifact).as_posix()
+               for p in packaged_artifact.rglob("*") if p.is_file()]  # fmt: skip
+    assert sorted(files) == sorted(shipped) and "attestation/provenance.json" in files
     for name, content in files.items():
         assert content == (packaged_artifact / name).read_bytes(), name
     assert ("POST", "/api/repos/create") in FakeHub.calls

@@ -237,10 +237,9 @@ def test_fp8_query_rounding(tiny_llama, tmp_path):
 
 
 def _resum(art: Path) -> None:
-    from pipeline.io.hashing import format_sha256sums, hash_files, list_files
+    from factories import resum
 
-    sums = {r: d.sha256 for r, d in hash_files(art, list_files(art)).items() if r != "SHA256SUMS"}
-    (art / "SHA256SUMS").write_text(format_sha256sums(sums))
+    resum(art)
 
 
 @pytest.mark.parametrize("damage", ["nan", "nan-and-eval-sha", "empty", "out-of-vocab"])

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from factories import ec_keypair, reseal, resum
 
-from pipeline.artifact.signing import SIGNATURE, sign_artifact
+from pipeline.artifact.signing import SIGNATURE
+from pipeline.artifact.signing import sign_artifact as sign
 from pipeline.artifact.verify import verify
 from pipeline.cli import main
 from pipeline.errors import IntegrityError, UsageError
@@ -369,6 +370,12 @@ def keys(tmp_path_factory):
 def test_signature_roundtrip_and_faults(packaged_artifact, tmp_path, capsys, keys):
     (priv_a, pub_a), (priv_b, pub_b) = keys["a"], keys["b"]
     art = copy(packaged_artifact, tmp_path)
+
+    def sign_artifact(art: Path, key: Path) -> None:  # as `qship package --sign-key` does
+        from pipeline.artifact import attestation
+
+        attestation.sign(art, attestation.SigningKey(key))
+        sign(art, key)
 
     # unsigned + --require-signature -> 3
     rc, out = cli_verify(art, "--require-signature", "--pubkey", str(pub_a), capsys=capsys)

@@ -10,15 +10,18 @@ folder that the next run removes):
     eval.json        EvalFile: the evaluation, the verdict, the quantize figures, the probe
     provenance.json  Provenance: source, hashes, calibration, versions, qship commit, timings
     README.md        the model card (model_card.py)
+    bom.cdx.json     CycloneDX 1.6 ML-BOM over the files above and the inputs (bom.py)
     qship/measured.safetensors  the held-out ids and measured top-k log-probs that
                      `qship verify --serve` compares a serving engine with (when evaluated
                      with evaluation.measured_topk > 0)
     SHA256SUMS       coreutils format over every file above
+    attestation/     in-toto statements over those files (attestation.py): SLSA provenance
+                     v1 and qship's results, with Sigstore bundles when signed
     model.sig        optional OpenSSF model-signing signature over all of the above
 
-Determinism: the same inputs give byte-identical files except `provenance.json` (its
-"timings") and hence its line in SHA256SUMS, and `model.sig` (ECDSA signatures are
-randomized). The artifact passes verify's checks before it gets its final name.
+Determinism: the same inputs give byte-identical files, SHA256SUMS included; only the
+attestation/ folder (its run details' times and seconds) and the signatures (ECDSA is
+randomized) differ. The artifact passes verify's checks before it gets its final name.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import os
 import shutil
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from ..errors import UsageError
@@ -40,7 +44,7 @@ from ..records.checkpoint import QuantizedCheckpoint
 from ..records.evaluation import EvalFile, EvalReport
 from ..records.snapshot import Snapshot
 from ..records.verdict import Verdict
-from . import model_card
+from . import attestation, attestation_check, bom, model_card
 from .probe import fingerprint, probe_ids
 from .provenance import PROVENANCE, build_provenance
 from .signing import sign_artifact
@@ -70,6 +74,8 @@ def package(
     timings: dict[str, float] | None = None,
     sign_key: Path | None = None,
     sign_password: str | None = None,
+    sign_cert: Path | None = None,
+    cert_chain: tuple[Path, ...] = (),
     shard_size: int = DEFAULT_SHARD_SIZE,
     probe: bool = True,
     overwrite: bool = False,
@@ -80,6 +86,8 @@ def package(
     which a large model may not fit); `verify --load` then has nothing to compare with.
     """
     t_start = time.perf_counter()
+    # the run began when its first stage did: the stages' seconds before packaging
+    started = datetime.now(UTC) - timedelta(seconds=sum((timings or {}).values()))
     steps: dict[str, float] = {}
     model_dir, out = Path(checkpoint.path), Path(out)
     if not model_dir.is_dir():
@@ -168,12 +176,14 @@ def package(
             verdict_passed=verdict.passed,
             quantize_key=quantize_key,
             served=evaluation.served,
-            timings={**(timings or {}), **{f"package.{k}": v for k, v in steps.items()}},
             artifact_files=digests,
         )
         (tmp / PROVENANCE).write_text(json.dumps(prov.to_json(), indent=2, sort_keys=True) + "\n")
         digests[PROVENANCE] = sha256_file(tmp / PROVENANCE)
-        sums = {r: d.sha256 for r, d in sorted(digests.items())}
+        written = {r: d.sha256 for r, d in sorted(digests.items())}
+        (tmp / bom.BOM).write_text(bom.build(written, name=name, prov=prov, ckpt=checkpoint, ev=ev))
+        sums = {**written, bom.BOM: sha256_file(tmp / bom.BOM).sha256}
+        sums = dict(sorted(sums.items()))
         (tmp / SUMS).write_text(format_sha256sums(sums))
         # the artifact must pass its own gate before it may exist under its final name
         checks: list[str] = []
@@ -181,7 +191,14 @@ def package(
         check_records(tmp, checks)
         check_weights(tmp, checks)
         check_cross(tmp, sums, checks)
+        attestation.write(tmp, sums, prov=prov, recipe=recipe, ev=ev, started=started,
+                          timings={**(timings or {}), **{f"package.{k}": v for k, v in steps.items()}})  # fmt: skip
+        attestation_check.check(tmp, sums, prov=prov, ev=ev, checks=checks)
         if sign_key is not None:
+            key = attestation.SigningKey(
+                Path(sign_key), sign_password, sign_cert, tuple(cert_chain)
+            )
+            attestation.sign(tmp, key)
             sign_artifact(tmp, Path(sign_key), sign_password)
     return Artifact(
         path=out,

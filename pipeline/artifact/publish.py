@@ -17,6 +17,8 @@ Targets
   (`<registry>/.lock`). An existing version is never overwritten: identical content
   (same SHA256SUMS and model.sig) is an idempotent no-op, anything else is a UsageError
   (exit 2).
+* `oci://HOST/REPO:TAG` — an OCI registry, as an OCI artifact (oci.py): every file a layer
+  with its digest, the attestations and the BOM with their media types; the tag last.
 * `hf://org/name` — the Hugging Face Hub, through `HfApi(endpoint=...).upload_folder`,
   only the files SHA256SUMS lists plus SHA256SUMS and model.sig, with a commit message
   naming the recipe (name and sha256) and the verdict.
@@ -40,6 +42,7 @@ from ..io.hashing import parse_sha256sums, sha256_bytes
 from ..io.network import retrying
 from ..records.artifact import Provenance, PublishResult
 from ..records.verdict import Verdict
+from . import attestation, oci
 from .signing import SIGNATURE
 from .verify import SUMS, check_sums, read_eval, verify
 
@@ -157,8 +160,10 @@ def _publish_local(root: Path, registry: Path, name: str, version: str, msg: str
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(root / rel, tmp / rel)
             (tmp / SUMS).write_bytes(sums_bytes)
-            if (root / SIGNATURE).exists():
-                shutil.copyfile(root / SIGNATURE, tmp / SIGNATURE)
+            for rel in [SIGNATURE, *attestation.present(root)]:
+                if (root / rel).exists():
+                    (tmp / rel).parent.mkdir(exist_ok=True)
+                    shutil.copyfile(root / rel, tmp / rel)
             check_sums(tmp, [])  # the copy, not the source, is shipped
         rebuild_index(registry)
     return PublishResult(target=f"file://{registry}", name=name, version=version,
@@ -180,6 +185,7 @@ def _publish_hub(
 
     listed = parse_sha256sums((root / SUMS).read_bytes(), where=str(root / SUMS))
     allow = sorted(listed) + [SUMS] + ([SIGNATURE] if (root / SIGNATURE).exists() else [])
+    allow += attestation.present(root)
     api = HfApi(endpoint=endpoint, token=token)
     host = f"Hub API {endpoint or constants.ENDPOINT}"
     where = f"hf://{repo_id}"
@@ -224,6 +230,7 @@ def publish(
     endpoint: str | None = None,
     token: str | None = None,
     private: bool = False,
+    layout: str = "artifact",
 ) -> PublishResult:
     root = Path(artifact)
     verify(root, require_signature=require_signature, pubkey=pubkey)  # exit 3 on failure
@@ -264,8 +271,13 @@ def publish(
             revision=rev,
             private=private,
         )
+    if u.scheme == "oci":
+        ref, digest, status = oci.push(root, target, layout)
+        return PublishResult(target=target, name=ref.repo, version=str(ref.tag),
+                             location=f"oci://{ref.host}/{ref.repo}@{digest}", status=status,
+                             commit_message=commit_message(ref.repo, facts))  # fmt: skip
     raise UsageError(
         f"unknown publish target {target!r}",
         path=target,
-        hint="use file:///abs/path/registry or hf://org/name",
+        hint="use file:///abs/path/registry, hf://org/name or oci://HOST/REPO:TAG",
     )

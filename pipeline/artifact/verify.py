@@ -13,10 +13,13 @@ exit 3, whose `path` is the first offending file and whose message lists them al
 4. the weights against config.json: the shared checkpoint validator
    (pipeline.model.checkpoint, which quantize's post-save check uses too);
 5. the signature when `model.sig` exists and a public key is given, or when required;
+   then the in-toto statements (attestation_check.py): subjects = SHA256SUMS, recipe hash
+   = recipe.yaml's, results = eval.json's, their signatures (required with model.sig's);
 6. the records against each other (a file edited and re-summed): recipe.yaml hashes to
    provenance's recipe hash, the model files to its quantized_model_hash, eval.json /
    README.md / recipe.yaml to the sha256 it recorded, and the model card's figures are
-   eval.json's, re-rendered (model_card.figures);
+   eval.json's, re-rendered (model_card.figures); the ML-BOM (bom.py) valid and its file
+   hashes = SHA256SUMS;
 7. with `load=True`, a smoke test: load with transformers, run the stored probe and compare
    it with the fingerprint in eval.json (probe.py).
 """
@@ -35,7 +38,8 @@ from ..model.files import TOKENIZER_KEYS, is_model_file, model_hash
 from ..recipe import load_recipe
 from ..records.artifact import Provenance, VerifyReport
 from ..records.evaluation import EvalFile
-from . import model_card
+from . import attestation_check, bom, model_card
+from .attestation import covered_by_sums
 from .probe import compare_fingerprint, probe_logits
 from .provenance import PROVENANCE, RECORD_FILES
 from .signing import SIGNATURE, check_signature
@@ -83,10 +87,10 @@ def check_sums(root: Path, checks: list[str]) -> dict[str, str]:
         problems.add(SUMS, f"larger than {MAX_SUMS_BYTES} bytes")
         problems.raise_if_any("integrity check")
     listed = parse_sha256sums(sums_path.read_bytes(), where=str(sums_path))
-    for rel in (SUMS, SIGNATURE):
+    for rel in [SUMS, SIGNATURE, *(r for r in listed if not covered_by_sums(r))]:
         if rel in listed:
             problems.add(SUMS, f"lists {rel!r}, which is never covered by SHA256SUMS")
-    others = [r for r in present if r not in (SUMS, SIGNATURE)]
+    others = [r for r in present if r not in (SUMS, SIGNATURE) and covered_by_sums(r)]
     missing = sorted(set(listed) - set(others) - {SUMS, SIGNATURE})
     extra = sorted(set(others) - set(listed))
     digests = hash_files(root, [r for r in others if r in listed or r in extra])
@@ -239,6 +243,7 @@ def verify(
     pubkey: Path | None = None,
     load: bool = False,
     atol: float = 0.05,
+    cert_chain: list[Path] | None = None,
 ) -> VerifyReport:
     """Run every check; raise IntegrityError (exit 3) on the first failing group."""
     root = Path(artifact)
@@ -251,6 +256,11 @@ def verify(
     signature = check_signature(root, pubkey=Path(pubkey) if pubkey else None,
                                 require=require_signature)  # fmt: skip
     check_cross(root, listed, checks)  # after the signature: a signed artifact names it
+    bom.check(root, listed, checks)
+    attested = attestation_check.check(root, listed, prov=read_provenance(root), ev=ev,
+                                       pubkey=Path(pubkey) if pubkey else None,
+                                       cert_chain=cert_chain, require=require_signature,
+                                       checks=checks)  # fmt: skip
     warnings = []
     if signature == "verified":
         checks.append(f"signature {SIGNATURE} valid for {Path(str(pubkey)).name}")
@@ -260,9 +270,10 @@ def verify(
         check_load(root, ev, checks, atol=atol)
     return VerifyReport(
         path=str(root),
-        files=len(listed) + 1 + (signature != "absent"),
+        files=len(listed) + 1 + (signature != "absent") + attestation_check.count(root),
         tensors=tensors,
         signature=signature,
+        attestation_signature=attested,
         load="matched" if load else "skipped",
         checks=checks,
         warnings=warnings,

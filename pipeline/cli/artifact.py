@@ -40,6 +40,18 @@ def package_cmd(
     sign_key: Annotated[
         Path | None, typer.Option("--sign-key", help="EC private key (PEM) to sign with.")
     ] = None,
+    sign_cert: Annotated[
+        Path | None,
+        typer.Option(
+            "--sign-cert",
+            help="With --sign-key: its certificate (PEM), for the "
+            "attestations' certificate method.",
+        ),
+    ] = None,  # fmt: skip
+    cert_chain: Annotated[
+        list[Path] | None,
+        typer.Option("--cert-chain", help="With --sign-cert: the chain's certificates (PEM)."),
+    ] = None,
     shard_size: Annotated[int, typer.Option("--shard-size", help="Max bytes per shard.")] = 0,
     no_probe: Annotated[
         bool, typer.Option("--no-probe", help="Skip the fp32 CPU load-probe fingerprint.")
@@ -74,17 +86,28 @@ def package_cmd(
     report = EvalReport(**{k: getattr(ev, k) for k in EvalReport.model_fields})
     return package(
         checkpoint=qc, recipe=load_recipe(recipe), evaluation=report, verdict=ev.verdict,
-        out=out, source=src, sign_key=sign_key, shard_size=shard_size or DEFAULT_SHARD_SIZE,
+        out=out, source=src, sign_key=sign_key, sign_cert=sign_cert,
+        cert_chain=tuple(cert_chain or ()), shard_size=shard_size or DEFAULT_SHARD_SIZE,
         probe=not no_probe,
     )  # fmt: skip
 
 
 def verify_cmd(
-    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    target: Annotated[
+        str, typer.Argument(help="Artifact directory, or oci://HOST/REPO@sha256:… (or :TAG).")
+    ],
     require_signature: Annotated[
         bool, typer.Option("--require-signature", help="Fail unless model.sig verifies.")
     ] = False,
     pubkey: Annotated[Path | None, typer.Option("--pubkey", help="EC public key (PEM).")] = None,
+    cert_chain: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--cert-chain",
+            help="Certificates (PEM) the attestations' signing "
+            "certificate must chain to (certificate method).",
+        ),
+    ] = None,  # fmt: skip
     load: Annotated[bool, typer.Option("--load", help="Also load and run the probe.")] = False,
     atol: Annotated[float, typer.Option("--atol", help="Probe logit tolerance.")] = 0.05,
     serve: Annotated[
@@ -139,11 +162,19 @@ def verify_cmd(
     served speed and memory."""
     from ..artifact.verify import verify
 
+    if target.startswith("oci://"):
+        if serve is not None:
+            raise UsageError("--serve runs on a folder: pull it first", path="--serve")
+        from ..artifact.oci import verify_remote
+
+        return verify_remote(target, require_signature=require_signature, pubkey=pubkey,
+                             load=load, atol=atol, cert_chain=list(cert_chain or []))  # fmt: skip
+    artifact = Path(target)
     if perf and (serve != "vllm" or reference is None):
         raise UsageError("--perf needs --serve vllm and --reference MODEL_DIR", path="--perf",
                          hint="pass the 16-bit model the artifact was quantized from")  # fmt: skip
     report = verify(artifact, require_signature=require_signature, pubkey=pubkey, load=load,
-                    atol=atol)  # fmt: skip
+                    atol=atol, cert_chain=list(cert_chain or []))  # fmt: skip
     if serve is None:
         return report
     if reference is not None:
@@ -302,12 +333,22 @@ def _serve_check(
 
 def publish_cmd(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
-    to: Annotated[str, typer.Option("--to", help="file:///abs/registry or hf://org/name")],
+    to: Annotated[
+        str, typer.Option("--to", help="file:///abs/registry, hf://org/name or oci://HOST/REPO:TAG")
+    ],
     name: Annotated[str | None, typer.Option("--name", help="Registry name.")] = None,
     version: Annotated[str | None, typer.Option("--version", help="Registry version.")] = None,
     require_signature: Annotated[bool, typer.Option("--require-signature")] = False,
     pubkey: Annotated[Path | None, typer.Option("--pubkey", help="EC public key (PEM).")] = None,
     endpoint: Annotated[str | None, typer.Option("--endpoint", help="Hub endpoint URL.")] = None,
+    layout: Annotated[
+        str,
+        typer.Option(
+            "--as",
+            help="oci:// only: artifact (a layer per file) or modelcar (a "
+            "KServe Modelcar image, the files under /models).",
+        ),
+    ] = "artifact",  # fmt: skip
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> PublishResult:
@@ -315,4 +356,4 @@ def publish_cmd(
     from ..artifact.publish import publish
 
     return publish(artifact, to, name=name, version=version, pubkey=pubkey,
-                   require_signature=require_signature, endpoint=endpoint)  # fmt: skip
+                   require_signature=require_signature, endpoint=endpoint, layout=layout)  # fmt: skip

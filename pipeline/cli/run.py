@@ -43,7 +43,10 @@ def run_cmd(
     ],
     publish_to: Annotated[
         str | None,
-        typer.Option("--publish-to", help="file:///registry or hf://org/name, if the gate passes."),
+        typer.Option(
+            "--publish-to",
+            help="file:///registry, hf://org/name or oci://HOST/REPO:TAG, if the gate passes.",
+        ),
     ] = None,
     sign_key: Annotated[
         Path | None, typer.Option("--sign-key", help="PEM private key to sign with.")

@@ -6,7 +6,7 @@ it private, is here and nowhere else (tests/test_compat.py greps pipeline/ for i
 - `patching.patched(target, value)`: the one way to replace one, inside a block, checked
   first against the pinned signature (exit 1 naming the library and version otherwise);
 - one module per library version (`llmcompressor_0_14`, `compressed_tensors_0_19`,
-  `transformers_5`) with the replacements, each taking what qship does at that point
+  `transformers_5`, `model_signing_1_1`) with the replacements, each taking what qship does at that point
   as a callback, so the library's names and signatures stay here.
 
 It sits below every stage (quantize, evaluate and model use it) and imports only

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from . import (
     artifact,
+    attestation,
     benchmarks,
     checkpoint,
     estimate,
@@ -37,6 +38,12 @@ SECTIONS = [
     (evaluation, "EvalFile", "report folder, artifact, compare", "eval.json"),
     (verdict, "Verdict", "gate → package, run.json", "inside eval.json and run.json"),
     (artifact, "Provenance", "package", "provenance.json"),
+    (
+        attestation,
+        "QuantResults",
+        "package → a deploy system's policy",
+        "predicate of attestation/results.json (`urn:qship:predicate:results:v1`)",
+    ),
     (artifact, "Artifact", "package → publish", "`qship package --json`"),
     (artifact, "VerifyReport", "verify", "`qship verify --json`"),
     (artifact, "PublishResult", "publish", "`qship publish --json`"),
@@ -76,7 +83,7 @@ def _nested(cls: type[BaseModel], seen: set[str]) -> list[type[BaseModel]]:
 
 def _all() -> list[type[BaseModel]]:
     mods = (snapshot, tokens, plan, estimate, checkpoint, evaluation, benchmarks, perf, served,
-            verdict, artifact, run)  # fmt: skip
+            verdict, artifact, attestation, run)  # fmt: skip
     return [
         v
         for m in mods

@@ -97,7 +97,9 @@ class Provenance(Record):
     served: ServedCheck | None = None
     """The served-artifact check's figures, when the recipe's `serve:` gate ran."""
     timings: dict[str, float] = {}
-    """Seconds per stage; the only field that differs between two identical runs."""
+    """Empty in artifacts: the seconds per stage, like the start and end times, are in the
+    SLSA statement's run details (attestation/provenance.json), outside SHA256SUMS, so
+    that two builds of the same inputs give the same files."""
 
 
 class Artifact(Record):
@@ -152,7 +154,10 @@ class VerifyReport(Record):
     tensors: int
     """Tensors checked against config.json."""
     signature: Literal["absent", "present-unverified", "verified"]
-    """absent, present-unverified (no key given) or verified."""
+    """model.sig: absent, present-unverified (no key given) or verified."""
+    attestation_signature: Literal["absent", "present-unverified", "verified"] = "absent"
+    """The in-toto statements' Sigstore bundles (attestation/*.sigstore.json): absent,
+    present-unverified (no key or chain given) or verified."""
     load: Literal["skipped", "matched"]
     """matched when --load ran the probe."""
     checks: list[str]
