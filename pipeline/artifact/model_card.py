@@ -155,6 +155,19 @@ def render(
     dense_bytes: int | None = None,
     dtype: str = "bfloat16",
 ) -> str:
+    lines = _header(name, source, recipe, quantization_config)
+    lines += _size(evaluation, dense_bytes, dtype)
+    lines += [reference_text(source), ""]
+    lines += _gate(evaluation)
+    lines += _results(evaluation)
+    lines += _use(recipe, quantization_config, evaluation)
+    return "\n".join(lines)
+
+
+def _header(
+    name: str, source: Snapshot | None, recipe: Recipe, quantization_config: dict[str, Any]
+) -> list[str]:
+    """The Hub's front matter, the title and what the model was made from, and how."""
     base = base_model(source)
     license = source.license if source else None
     front = {
@@ -175,6 +188,12 @@ def render(
     ]
     if recipe.description:
         lines += [f"Recipe: {recipe.description}", ""]
+    return lines
+
+
+def _size(evaluation: EvalFile, dense_bytes: int | None, dtype: str) -> list[str]:
+    """The weights' size against the dense model's, and the W4A8 note."""
+    lines: list[str] = []
     q = evaluation.quantize
     if q is not None and dense_bytes:
         lines += [f"Size: {q.size_bytes / 1e6:,.0f} MB of weights against {dense_bytes / 1e6:,.0f} "
@@ -186,21 +205,30 @@ def render(
                   "W4A8 kernel (Hopper) serves, FP8 group scales and FP8-rounded products; "
                   "the figures below are computed that way. An engine that computes q × scale "
                   "exactly serves slightly other weights.", ""]  # fmt: skip
-    lines += [reference_text(source), ""]
+    return lines
+
+
+def _gate(evaluation: EvalFile) -> list[str]:
+    """The quality gate's verdict and its checks."""
     v = evaluation.verdict
-    if v is not None:
-        lines += [f"## Quality gate: {'PASSED' if v.passed else 'FAILED'}", ""]
-        if v.checks:
-            lines += ["| check | value | limit | passed |", "|---|---|---|---|"]
-            for ch in v.checks:
-                lines.append(
-                    f"| {_fmt(ch.name)} | {_fmt(ch.value)} | {ch.op} {_fmt(ch.limit)} "
-                    f"| {_fmt(ch.passed)} |"
-                )
-            lines.append("")
-    lines += _results(evaluation)
+    if v is None:
+        return []
+    lines = [f"## Quality gate: {'PASSED' if v.passed else 'FAILED'}", ""]
+    if v.checks:
+        lines += ["| check | value | limit | passed |", "|---|---|---|---|"]
+        for ch in v.checks:
+            lines.append(
+                f"| {_fmt(ch.name)} | {_fmt(ch.value)} | {ch.op} {_fmt(ch.limit)} "
+                f"| {_fmt(ch.passed)} |"
+            )
+        lines.append("")
+    return lines
+
+
+def _use(recipe: Recipe, quantization_config: dict[str, Any], evaluation: EvalFile) -> list[str]:
+    """How to load and serve it, the served checks, integrity, the quantization_config."""
     kv = quantization_config.get("kv_cache_scheme")
-    lines += [
+    return [
         "## Use",
         "",
         "transformers (decompresses the int weights on load):",
@@ -230,7 +258,6 @@ def render(
         "</details>",
         "",
     ]
-    return "\n".join(lines)
 
 
 def _vllm_use(kv: KVCache | None) -> list[str]:
