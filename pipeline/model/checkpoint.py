@@ -40,6 +40,7 @@ from ..io.safetensors_header import (
 )
 from ..records.plan import ActivationScheme, ModuleScheme
 from .devices import DTYPES
+from .files import collect_config_json
 from .matching import matches
 from .moe import saved_name_to_module
 from .quantized_tensors import (
@@ -75,7 +76,7 @@ def inspect_checkpoint(
     `error` listing them all, its path the first offending file."""
     root = Path(root)
     p = Problems(root, error=error, hint=hint)
-    config = read_json_object(root / "config.json", p, "config.json")
+    config = collect_config_json(root, p)
     p.raise_if_any("config check")
     assert config is not None
     headers = read_headers(root, p)
