@@ -70,7 +70,7 @@ class _Loader:
     device: str
     dtype: str | None
     offload: str
-    skip: tuple[int, ...] | list[int]
+    skip: tuple[int, ...]
 
     def load(self, p: Path) -> Any:
         offload = "none" if self.offload == "none" else "cpu"
