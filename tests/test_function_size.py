@@ -44,8 +44,6 @@ KNOWN_WIDE = {
     "pipeline.evaluate.engine.evaluate": "runner/stages.py and cli/evaluate.py pass the inputs "
     "beside EvalOptions (settings refactor)",
     "pipeline.evaluate.long_context.run": "called from runner/stages.py (settings refactor)",
-    "pipeline.evaluate.reference_cache.get_or_build": "the reference pass's inputs; a record "
-    "once evaluate's callers pass one",
     "pipeline.fetch.snapshot.finish": "the snapshot's provenance fields, one per source kind",
     "pipeline.quantize.distributed.launch": "torchrun arguments (settings refactor)",
     "pipeline.runner.run": "settings refactor (one frozen settings record)",

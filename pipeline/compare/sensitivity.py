@@ -148,10 +148,10 @@ def measure(
     plan = build_plan(lm, recipe)
     targets = _measurable(plan, recipe)
     # a held-out subset gets its own reference entry (the key hashes the ids themselves)
+    run = reference_cache.ReferencePass(forward_logits, lambda _p: lm, bs, device)
     entry = reference_cache.get_or_build(
-        cache_dir, model, ids, topk=reference_cache.DEFAULT_TOPK, forward=forward_logits,
-        load_model=lambda _p: lm, batch_size=bs, dtype="auto", device=device,
-    )  # fmt: skip
+        cache_dir, model, ids, topk=reference_cache.DEFAULT_TOPK, dtype="auto", run=run
+    )
     ref = entry.load()
 
     def kl_of() -> dict:

@@ -204,10 +204,10 @@ def _score_cached(
     freed), then the candidate scored against them; its top-k kept for the served check."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    run = reference_cache.ReferencePass(forward_logits, loader.load, o.batch_size, loader.device)
     ref_entry = reference_cache.get_or_build(
-        cache_dir, reference, ids, topk=o.topk, forward=forward_logits, load_model=loader.load,
-        batch_size=o.batch_size, dtype=o.dtype or "auto", device=loader.device,
-    )  # fmt: skip
+        cache_dir, reference, ids, topk=o.topk, dtype=o.dtype or "auto", run=run
+    )
     timings["reference_s"] = time.perf_counter() - t0
     ref = ref_entry.load()
     t0 = time.perf_counter()
