@@ -44,7 +44,6 @@ KNOWN_WIDE = {
     "pipeline.evaluate.engine.evaluate": "runner/stages.py and cli/evaluate.py pass the inputs "
     "beside EvalOptions (settings refactor)",
     "pipeline.evaluate.long_context.run": "called from runner/stages.py (settings refactor)",
-    "pipeline.fetch.snapshot.finish": "the snapshot's provenance fields, one per source kind",
     "pipeline.quantize.distributed.launch": "torchrun arguments (settings refactor)",
     "pipeline.runner.run": "settings refactor (one frozen settings record)",
     "pipeline.runner._locked_run": "settings refactor (one frozen settings record)",

@@ -23,7 +23,7 @@ from ..io.network import HF_DOWNLOAD_RETRIES, api_timeout, retrying
 from ..io.pins import pin_path, pinned_like, unpinned_error
 from ..model.files import PICKLE_SUFFIXES, is_model_file
 from ..records.snapshot import Snapshot
-from .snapshot import SNAPSHOT_DIR, STAGE, copy_and_hash, finish, from_cache
+from .snapshot import SNAPSHOT_DIR, STAGE, Origin, copy_and_hash, finish, from_cache
 from .sources import Source
 
 _SHA40 = re.compile(r"^[0-9a-f]{40}$")
@@ -90,7 +90,7 @@ def fetch_hub(
             },
             "requested_revision": rev,
         }
-        return finish(out, files, source=f"hf://{repo}@{commit}", repo_id=repo, revision=commit,
+        return finish(out, files, origin=Origin(f"hf://{repo}@{commit}", repo, commit),
                       manifest_path=manifest_path, pin=pin, checks=checks, key=key,
                       require_pin=require_pin)  # fmt: skip
 
