@@ -39,12 +39,14 @@ KNOWN_WIDE = {
     # replaces llm-compressor's function of the same name: its signature is the library's
     "pipeline.compat.llmcompressor_0_14.gptq_block_update_for.block_update": "mirrors the "
     "patched library function",
-    "pipeline.evaluate.benchmarks.run_lm_eval": "evaluate/benchmarks.py (served work)",
-    "pipeline.evaluate.benchmarks.compare": "evaluate/benchmarks.py (served work)",
+    "pipeline.evaluate.benchmarks.run_lm_eval": "evaluate/benchmarks.py is being changed elsewhere",
+    "pipeline.evaluate.benchmarks.compare": "evaluate/benchmarks.py is being changed elsewhere",
     "pipeline.evaluate.engine.evaluate": "runner/stages.py and cli/evaluate.py pass the inputs "
     "beside EvalOptions (settings refactor)",
-    "pipeline.evaluate.long_context.run": "called from runner/stages.py (settings refactor)",
-    "pipeline.quantize.distributed.launch": "torchrun arguments (settings refactor)",
+    "pipeline.evaluate.long_context.run": "the check's inputs, passed by check_artifact and "
+    "tests/test_long_context.py (served-gate work)",
+    "pipeline.quantize.distributed.launch": "runner/stages.py passes torchrun arguments "
+    "(settings refactor)",
     "pipeline.runner.run": "settings refactor (one frozen settings record)",
     "pipeline.runner._locked_run": "settings refactor (one frozen settings record)",
     "pipeline.runner._run": "settings refactor (one frozen settings record)",
