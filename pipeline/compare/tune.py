@@ -217,7 +217,7 @@ def run(
         sequences=sequences, verify=verify, exact=exact, device=device,
         checksums_dir=checksums_dir,
     )  # fmt: skip
-    return tune(model, Path(recipe_path), opts, write_recipe=write_recipe, out=out,
+    return tune(model, recipe_path, opts, write_recipe=write_recipe, out=out,
                 cache_dir=cache_dir)  # fmt: skip
 
 
