@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from ..quantize.modifiers import qargs
 from ..quantize.plan import build_plan, weight_storage_bits
 from ..recipe import Recipe, load_recipe
 from ..records.evaluation import ModelRef
-from ..records.plan import ModuleScheme, Plan
+from ..records.plan import ModulePlan, ModuleScheme, Plan
 from .recipe_writer import UPGRADE_BITS, refuse_overwrite, write_upgraded_recipe
 
 
@@ -107,34 +107,86 @@ def _aggregate(rows: list[dict], key) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How `measure` runs and labels its result."""
+
+    device: str | None = None
+    sequences: int | None = None
+    """The first N held-out sequences (None: all)."""
+    batch_size: int | None = None
+    """Sequences per forward pass (None: the recipe's evaluation.batch_size)."""
+    model_label: str | None = None
+    recipe_label: str | None = None
+    options: Sequence[tuple[int, int | None]] = ()
+    """(bits, group_size) each module is also measured at (`qship tune`)."""
+    ids_name: str = "held-out"
+    """Which tokens these are, recorded in the settings."""
+
+
 def measure(
     model: ModelRef,
     recipe: Recipe,
     *,
     heldout_ids: torch.Tensor,
     cache_dir: Path,
-    device: str | None = None,
-    sequences: int | None = None,
-    batch_size: int | None = None,
-    model_label: str | None = None,
-    recipe_label: str | None = None,
-    options: Sequence[tuple[int, int | None]] = (),
-    ids_name: str = "held-out",
+    opts: MeasureOptions = MeasureOptions(),
 ) -> tuple[Sensitivity, Plan]:
     """KL of the model with one module at a time rounded to its group's scheme; with
-    `options` [(bits, group_size)], each module is also measured at those schemes (same
+    `opts.options` [(bits, group_size)], each module is also measured at those schemes (same
     symmetry and observer; a group size its width does not divide is left out) and its row
     gets `options`: [{bits, group_size, stored_bits, kl_mean}], its own scheme first."""
-    device = device or default_device()
-    if sequences is not None:
-        if sequences <= 0:
+    device = opts.device or default_device()
+    if opts.sequences is not None:
+        if opts.sequences <= 0:
             raise UsageError("--sequences must be positive", hint="e.g. --sequences 8")
-        heldout_ids = heldout_ids[:sequences]
+        heldout_ids = heldout_ids[: opts.sequences]
     ids = heldout_ids.long().cpu()
-    bs = batch_size or recipe.evaluation.batch_size
+    bs = opts.batch_size or recipe.evaluation.batch_size
     t_all = time.perf_counter()
     lm = load_model(model.path, device=device)
     plan = build_plan(lm, recipe)
+    targets = _measurable(plan, recipe)
+    # a held-out subset gets its own reference entry (the key hashes the ids themselves)
+    run = reference_cache.ReferencePass(forward_logits, lambda _p: lm, bs, device)
+    entry = reference_cache.get_or_build(
+        cache_dir, model, ids, topk=reference_cache.DEFAULT_TOPK, dtype="auto", run=run
+    )
+    ref = entry.load()
+
+    def kl_of() -> dict:
+        return score_against_reference(lm, ids, ref, bs)["on"].summary()
+
+    baseline = kl_of()["kl"]["mean"]
+    mods = dict(lm.named_modules())
+    dtype_bits = DTYPES[plan.dtype].bits
+    rows = []
+    bar = log.Progress("sensitivity", len(targets), unit="modules")
+    for i, mp in enumerate(targets, 1):
+        t0 = time.perf_counter()
+        row = _module_row(mp, mods[mp.name], kl_of, dtype_bits, opts.options)
+        rows.append(row)
+        log.detail(
+            f"[{i}/{len(targets)}] {mp.name}: KL {row['kl_mean']:.4g} "
+            f"({time.perf_counter() - t0:.1f} s)"
+        )
+        bar.update(i, mp.name)
+    bar.close()
+    rows.sort(key=lambda r: -r["kl_mean"])
+    res = Sensitivity(
+        model=opts.model_label or str(model.path),
+        recipe=opts.recipe_label or recipe.name,
+        rows=rows,
+        baseline_kl_mean=baseline,
+        settings=_settings(opts, ids, entry.record["heldout_hash"], device, bs),
+        seconds=time.perf_counter() - t_all,
+    )
+    return res, plan
+
+
+def _measurable(plan: Plan, recipe: Recipe) -> list[ModulePlan]:
+    """The modules the recipe quantizes; exit 2 for none, or for a recipe that rounds
+    activations (which one-module-at-a-time weight rounding would leave out)."""
     targets = [m for m in plan.modules if m.scheme]
     act = sorted({m.scheme.format_label() for m in targets if m.scheme and (
         m.scheme.activations is not None or m.scheme.type == "float")})  # fmt: skip
@@ -152,82 +204,62 @@ def measure(
             f"recipe {recipe.name} quantizes no module: nothing to measure",
             hint="give at least one group a method other than 'none'",
         )
-    # a held-out subset gets its own reference entry (the key hashes the ids themselves)
-    entry = reference_cache.get_or_build(
-        cache_dir, model, ids, topk=reference_cache.DEFAULT_TOPK, forward=forward_logits,
-        load_model=lambda _p: lm, batch_size=bs, dtype="auto", device=device,
-    )  # fmt: skip
-    ref = entry.load()
+    return targets
 
-    def kl_of() -> dict:
-        return score_against_reference(lm, ids, ref, bs)["on"].summary()
 
-    baseline = kl_of()["kl"]["mean"]
-    mods = dict(lm.named_modules())
-    dtype_bits = DTYPES[plan.dtype].bits
-    rows = []
-    bar = log.Progress("sensitivity", len(targets), unit="modules")
-    for i, mp in enumerate(targets, 1):
-        assert mp.scheme is not None
-        lin = mods[mp.name]
-        orig = lin.weight.data.clone()
-        t0 = time.perf_counter()
-        measured = []
-        for scheme in _variants(mp.scheme, mp.in_features, options):
-            try:
-                lin.weight.data.copy_(rtn_weight(orig, scheme))
-                s = kl_of()
-            finally:
-                lin.weight.data.copy_(orig)
-            bits = weight_storage_bits(mp.out_features, mp.in_features, scheme, dtype_bits)
-            measured.append((scheme, bits, s))
-        s = measured[0][2]
-        row = {
-            "name": mp.name,
-            "group": mp.group,
-            "method": mp.method,
-            "scheme": mp.scheme.to_json(),
-            "params": mp.in_features * mp.out_features,
-            "in_features": mp.in_features,
-            "out_features": mp.out_features,
-            "kl_mean": s["kl"]["mean"],
-            "kl_p99": s["kl"]["p99"],
-            "top1_agreement": s["top1_agreement"],
-        }
-        if options:
-            row["options"] = [
-                {"bits": sc.bits, "group_size": sc.group_size, "stored_bits": b,
-                 "kl_mean": r["kl"]["mean"]} for sc, b, r in measured
-            ]  # fmt: skip
-        rows.append(row)
-        log.detail(
-            f"[{i}/{len(targets)}] {mp.name}: KL {s['kl']['mean']:.4g} "
-            f"({time.perf_counter() - t0:.1f} s)"
-        )
-        bar.update(i, mp.name)
-    bar.close()
-    rows.sort(key=lambda r: -r["kl_mean"])
-    settings = {
+def _module_row(
+    mp: ModulePlan, lin: torch.nn.Module, kl_of: Callable[[], dict], dtype_bits: int,
+    options: Sequence[tuple[int, int | None]],
+) -> dict:  # fmt: skip
+    """One module's row: the model's KL with this module alone rounded to its scheme (and
+    to each option), its weight restored after each."""
+    assert mp.scheme is not None
+    orig = lin.weight.data.clone()
+    measured = []
+    for scheme in _variants(mp.scheme, mp.in_features, options):
+        try:
+            lin.weight.data.copy_(rtn_weight(orig, scheme))
+            s = kl_of()
+        finally:
+            lin.weight.data.copy_(orig)
+        bits = weight_storage_bits(mp.out_features, mp.in_features, scheme, dtype_bits)
+        measured.append((scheme, bits, s))
+    s = measured[0][2]
+    row = {
+        "name": mp.name,
+        "group": mp.group,
+        "method": mp.method,
+        "scheme": mp.scheme.to_json(),
+        "params": mp.in_features * mp.out_features,
+        "in_features": mp.in_features,
+        "out_features": mp.out_features,
+        "kl_mean": s["kl"]["mean"],
+        "kl_p99": s["kl"]["p99"],
+        "top1_agreement": s["top1_agreement"],
+    }
+    if options:
+        row["options"] = [
+            {"bits": sc.bits, "group_size": sc.group_size, "stored_bits": b,
+             "kl_mean": r["kl"]["mean"]} for sc, b, r in measured
+        ]  # fmt: skip
+    return row
+
+
+def _settings(
+    opts: MeasureOptions, ids: torch.Tensor, heldout_hash: str, device: str, bs: int
+) -> dict:
+    return {
         "method": "rtn min-max, one module at a time, at its group's scheme",
         "kl_mode": f"cached-top{reference_cache.DEFAULT_TOPK}+tail",
-        "tokens": ids_name,
-        "options": [list(o) for o in options],
+        "tokens": opts.ids_name,
+        "options": [list(o) for o in opts.options],
         "sequences": int(ids.shape[0]),
         "seq_len": int(ids.shape[1]),
         "tokens_scored": int(ids.shape[0] * (ids.shape[1] - 1)),
-        "heldout_hash": entry.record["heldout_hash"],
+        "heldout_hash": heldout_hash,
         "device": device,
         "batch_size": bs,
     }
-    res = Sensitivity(
-        model=model_label or str(model.path),
-        recipe=recipe_label or recipe.name,
-        rows=rows,
-        baseline_kl_mean=baseline,
-        settings=settings,
-        seconds=time.perf_counter() - t_all,
-    )
-    return res, plan
 
 
 def _variants(
@@ -280,10 +312,9 @@ def run(
             recipe,
             heldout_ids=tokens.heldout_ids,
             cache_dir=Path(cache_dir),
-            device=device,
-            sequences=sequences,
-            model_label=model,
-            recipe_label=str(recipe_path),
+            opts=MeasureOptions(
+                device=device, sequences=sequences, model_label=model, recipe_label=str(recipe_path)
+            ),  # fmt: skip
         )
         line.note = f"{len(res.rows)} modules; most sensitive {res.rows[0]['name']}"
     if write_recipe is not None and max_bits is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,33 @@ def log_choice(picks: dict[str, ModuleScheme], bpw: float, predicted: float) -> 
 # ------------------------------------------------------------------ the command
 
 
+@dataclass(frozen=True)
+class TuneOptions:
+    """What `qship tune` is asked for: the budget, the options it chooses among, the windows
+    it measures on and how it verifies (`run`'s keywords, checked once by `check`)."""
+
+    max_bits: float | None = None
+    max_kl: float | None = None
+    options: tuple[tuple[int, int | None], ...] = tuple(DEFAULT_OPTIONS)
+    sequences: int = 16
+    verify: bool = True
+    exact: bool = True
+    device: str | None = None
+    checksums_dir: Path | None = None
+
+    def check(self) -> None:
+        """Exit 2 for a request no run can answer, before any compute."""
+        if self.max_bits is None and self.max_kl is None:
+            raise UsageError(
+                "give a budget", path="--max-bits", hint="--max-bits 4.25 and/or --max-kl 0.1"
+            )
+        if self.max_kl is not None and not self.verify:
+            raise UsageError("--max-kl is judged on verified KL", path="--no-verify",
+                             hint="drop --no-verify, or give --max-bits alone")  # fmt: skip
+        if self.sequences <= 0:
+            raise UsageError("--sequences must be positive", path="--sequences", hint="e.g. 16")
+
+
 def run(
     model: str,
     recipe_path: Path,
@@ -182,132 +210,210 @@ def run(
     verify: bool = True,
     exact: bool = True,
 ) -> TuneResult:
-    """Measure (cached), allocate, write `write_recipe`, verify into `out`."""
-    import yaml
+    """Measure (cached), allocate, write `write_recipe`, verify into `out` (the CLI's
+    keywords; `tune` takes them as one TuneOptions)."""
+    opts = TuneOptions(
+        max_bits=max_bits, max_kl=max_kl, options=tuple(options or DEFAULT_OPTIONS),
+        sequences=sequences, verify=verify, exact=exact, device=device,
+        checksums_dir=checksums_dir,
+    )  # fmt: skip
+    return tune(model, recipe_path, opts, write_recipe=write_recipe, out=out,
+                cache_dir=cache_dir)  # fmt: skip
 
-    from .. import runner
+
+@dataclass
+class _Measured:
+    """The measure step's result: the fetched snapshot, the base plan, the rows."""
+
+    snap: Any
+    recipe: Any
+    plan: Plan
+    rows: list[dict]
+    cached: bool
+
+
+def tune(
+    model: str, recipe_path: Path, opts: TuneOptions, *, write_recipe: Path, out: Path,
+    cache_dir: Path,
+) -> TuneResult:  # fmt: skip
+    """Measure (cached), allocate, write `write_recipe`, verify into `out`."""
+    opts.check()
+    write_recipe, out, cache_dir = Path(write_recipe), Path(out), Path(cache_dir)
+    from .recipe_writer import refuse_overwrite
+
+    refuse_overwrite(write_recipe)
+    m = _measure(model, recipe_path, opts, cache_dir)
+    base_bpw = m.plan.bits_per_weight.quantized
+    sets, opts_kl, table, n_w = solve(m.rows, m.plan, max(opts.max_bits or 0.0, base_bpw) + 0.5)
+    top = _top_capacity(table, n_w, opts.max_bits)
+    predicted_base = sum(os[0]["kl_mean"] for os in opts_kl)
+    verifier = _Verifier(model, out / "runs", cache_dir, opts)
+    scale = 1.0  # verified / predicted KL: the verified base calibrates the prediction
+    if opts.verify:
+        scale = verifier(Path(recipe_path))["kl_mean"] / max(predicted_base, 1e-12)
+    found = _search(m, recipe_path, opts, (sets, opts_kl, table, top), scale, verifier, out)
     from ..io.atomic import atomic_write_text
+
+    atomic_write_text(write_recipe, found.text)
+    report = None
+    if opts.verify:
+        from .compare import collect
+
+        report = str(collect([out / "runs"], out / "report").out / "compare.html")
+    moved = {new: ns for g in tuned_moves(m.plan, found.picks).values()
+             for new, (_c, ns) in g.items()}  # fmt: skip
+    result = TuneResult(
+        recipe_path=str(write_recipe), max_bits=opts.max_bits, max_kl=opts.max_kl,
+        bits_per_weight=found.bpw, predicted_kl=float(table.best[found.cap]), moved=moved,
+        measurement_cached=m.cached, verified=verifier.verified, report=report, met=found.met,
+    )  # fmt: skip
+    front = [(b / n_w, kl) for b, kl in knapsack.frontier(table)]
+    _write_tune_files(out, result, front, found.scale, predicted_base)
+    return result
+
+
+def _measure(model: str, recipe_path: Path, opts: TuneOptions, cache_dir: Path) -> _Measured:
+    """Fetch, tokens, plan and each module's KL at each option (cached under
+    `tune-sensitivity/<key>`, on the first calibration windows)."""
+    from .. import runner
     from ..io.cache import stage_key
     from ..model.devices import device_kind
     from ..quantize.plan import plan_for_dir
     from ..recipe import load_recipe
     from ..records.evaluation import ModelRef
-    from .recipe_writer import refuse_overwrite
-    from .sensitivity import measure
+    from .sensitivity import MeasureOptions, measure
 
-    if max_bits is None and max_kl is None:
-        raise UsageError(
-            "give a budget", path="--max-bits", hint="--max-bits 4.25 and/or --max-kl 0.1"
-        )
-    if max_kl is not None and not verify:
-        raise UsageError("--max-kl is judged on verified KL", path="--no-verify",
-                         hint="drop --no-verify, or give --max-bits alone")  # fmt: skip
-    if sequences <= 0:
-        raise UsageError("--sequences must be positive", path="--sequences", hint="e.g. 16")
-    options = options or DEFAULT_OPTIONS
-    write_recipe, out, cache_dir = Path(write_recipe), Path(out), Path(cache_dir)
-    refuse_overwrite(write_recipe)
+    device = opts.device
     recipe = load_recipe(recipe_path)
-    ctx = runner.Context(cache_dir, device=device, checksums_dir=pin_folder(checksums_dir))
+    ctx = runner.Context(cache_dir, device=device, checksums_dir=pin_folder(opts.checksums_dir))
     runner.check_recipe(model, recipe, ctx, show_plan=False)
     snap = runner.fetch_stage(model, ctx)
     tokens = runner.tokens_stage(snap, recipe, ctx)
     plan = plan_for_dir(Path(snap.path), recipe)
-    ids = tokens.calib_ids[:sequences]
+    ids = tokens.calib_ids[: opts.sequences]
     key = stage_key("tune-sensitivity", {
         "model": snap.model_hash, "calib": tokens.calib_hash, "sequences": int(ids.shape[0]),
         "schemes": [[m.name, m.scheme.to_json() if m.scheme else None] for m in plan.modules],
-        "options": [list(o) for o in options], "batch": recipe.evaluation.batch_size,
+        "options": [list(o) for o in opts.options], "batch": recipe.evaluation.batch_size,
         "device": device_kind(device),
     })  # fmt: skip
+    measure_opts = MeasureOptions(
+        device=device, model_label=model, recipe_label=str(recipe_path),
+        options=tuple(opts.options), ids_name="calibration",
+    )  # fmt: skip
 
     def build(_tmp: Path) -> dict:
-        res, _ = measure(
-            ModelRef(path=snap.path, model_hash=snap.model_hash), recipe, heldout_ids=ids,
-            cache_dir=cache_dir, device=device, model_label=model, recipe_label=str(recipe_path),
-            options=options, ids_name="calibration",
-        )  # fmt: skip
+        ref = ModelRef(path=snap.path, model_hash=snap.model_hash)
+        res, _ = measure(ref, recipe, heldout_ids=ids, cache_dir=cache_dir, opts=measure_opts)
         return res.to_json()
 
     with ctx.stage("measure", key) as line:
         entry = ctx.cache.get_or_build("tune-sensitivity", key, build)
         rows = entry.record["modules"]
         line.cached = entry.hit
-        line.note = f"{len(rows)} modules x {len(options)} options on {ids.shape[0]} windows"
+        n = len(opts.options)
+        line.note = f"{len(rows)} modules x {n} options on {ids.shape[0]} windows"
+    return _Measured(snap, recipe, plan, rows, entry.hit)
 
-    base_bpw = plan.bits_per_weight.quantized
-    sets, opts, table, n_w = solve(rows, plan, max(max_bits or 0.0, base_bpw) + 0.5)
-    top = len(table.best) - 1
-    if max_bits is not None:
-        if int(max_bits * n_w) < table.floor_bits:
-            raise UsageError(
-                f"--max-bits {max_bits} is below {table.floor_bits / n_w:.4f}, every module at "
-                "its cheapest option", path="--max-bits", hint="raise it or add cheaper options",
-            )  # fmt: skip
-        top = table.capacity(int(max_bits * n_w))
-    predicted_base = sum(os[0]["kl_mean"] for os in opts)
-    data = yaml.safe_load(Path(recipe_path).read_text())
-    runs = out / "runs"
-    verified: list[dict] = []
 
-    def verify_one(path: Path) -> dict:
+def _top_capacity(table: knapsack.Table, n_w: int, max_bits: float | None) -> int:
+    """The largest knapsack capacity the bit budget allows (exit 2 below the cheapest)."""
+    if max_bits is None:
+        return len(table.best) - 1
+    if int(max_bits * n_w) < table.floor_bits:
+        raise UsageError(
+            f"--max-bits {max_bits} is below {table.floor_bits / n_w:.4f}, every module at "
+            "its cheapest option", path="--max-bits", hint="raise it or add cheaper options",
+        )  # fmt: skip
+    return table.capacity(int(max_bits * n_w))
+
+
+class _Verifier:
+    """Verifies a recipe end to end (`compare` into `runs/<name>`) and keeps each verified
+    point: name, bits_per_weight, kl_mean, kl_stderr, top1, ppl_ratio, passed, kl_mode, dir."""
+
+    def __init__(self, model: str, runs: Path, cache_dir: Path, opts: TuneOptions):
+        self.model, self.runs, self.cache_dir, self.opts = model, runs, cache_dir, opts
+        self.verified: list[dict[str, Any]] = []
+
+    def __call__(self, path: Path) -> dict:
+        from ..recipe import load_recipe
         from .compare import compare
         from .rows import EVAL_FILE, read_eval_file, row
 
         r = load_recipe(path)
-        res = compare(model, [path], runs / r.name, cache_dir=cache_dir, device=device, exact=exact,
-                      checksums_dir=checksums_dir)  # fmt: skip
+        o, runs = self.opts, self.runs
+        res = compare(self.model, [path], runs / r.name, cache_dir=self.cache_dir,
+                      device=o.device, exact=o.exact, checksums_dir=o.checksums_dir)  # fmt: skip
         ev = read_eval_file(runs / r.name / "recipes" / r.name / EVAL_FILE)
         f = row(ev)
         v = {k: f[k] for k in ("name", "bits_per_weight", "kl_mean", "kl_stderr", "top1",
                                "ppl_ratio", "passed")}  # fmt: skip
         v["kl_mode"] = ev.metrics.kl_mode
         v["dir"] = res.best_dir or str(runs / r.name)
-        verified.append(v)
+        self.verified.append(v)
         return v
 
-    scale = 1.0  # verified / predicted KL: the verified base calibrates the prediction
-    if verify:
-        scale = verify_one(Path(recipe_path))["kl_mean"] / max(predicted_base, 1e-12)
+
+@dataclass
+class _Found:
+    """The recipe the search settled on."""
+
+    picks: dict[str, ModuleScheme]
+    bpw: float
+    text: str
+    cap: int
+    met: bool | None
+    scale: float
+
+
+def _search(
+    m: _Measured, recipe_path: Path, opts: TuneOptions, solved: tuple, scale: float,
+    verifier: _Verifier, out: Path,
+) -> _Found:  # fmt: skip
+    """Write the least-KL recipe within the budget; with --max-kl, the least bits whose
+    scaled prediction meets it, verified and recalibrated up to MAX_ROUNDS times."""
+    import yaml
+
+    sets, opts_kl, table, top = solved
+    data = yaml.safe_load(Path(recipe_path).read_text())
+    max_kl = opts.max_kl
     cap, met = top, None
-    stem = f"{recipe.name}-tune"
+    stem = f"{m.recipe.name}-tune"
     for _round in range(MAX_ROUNDS if max_kl is not None else 1):
         if max_kl is not None:
             ok = [c for c in range(top + 1) if table.best[c] * scale <= max_kl]
             cap = ok[0] if ok else top
-        picks = chosen_schemes(plan, sets, opts, table.pick(cap))
-        tuned = tuned_recipe(data, plan, picks, stem)
-        bpw = check_written(Path(snap.path), tuned, picks, plan).bits_per_weight.quantized
+        picks = chosen_schemes(m.plan, sets, opts_kl, table.pick(cap))
+        tuned = tuned_recipe(data, m.plan, picks, stem)
+        bpw = check_written(Path(m.snap.path), tuned, picks, m.plan).bits_per_weight.quantized
         tuned["name"] = f"{stem}{bpw:.3f}"
-        text = tune_header(recipe_path, max_bits, max_kl, model) + yaml.safe_dump(
+        text = tune_header(recipe_path, opts.max_bits, max_kl, verifier.model) + yaml.safe_dump(
             tuned, sort_keys=False, width=100
         )
         cand = out / "recipes" / f"{tuned['name']}.yaml"
         cand.parent.mkdir(parents=True, exist_ok=True)
         cand.write_text(text)
         log_choice(picks, bpw, float(table.best[cap]))
-        if not verify:
+        if not opts.verify:
             break
-        v = verify_one(cand)
+        v = verifier(cand)
         if max_kl is None:
             break
         met = v["kl_mean"] <= max_kl
         if met or cap == top:
             break
         scale = v["kl_mean"] / max(float(table.best[cap]), 1e-12)  # recalibrated: more bits
-    atomic_write_text(write_recipe, text)
-    report = None
-    if verify:
-        from .compare import collect
+    return _Found(picks, bpw, text, cap, met, scale)
 
-        report = str(collect([runs], out / "report").out / "compare.html")
-    front = [(b / n_w, kl) for b, kl in knapsack.frontier(table)]
-    moved = {new: ns for g in tuned_moves(plan, picks).values() for new, (_c, ns) in g.items()}
-    result = TuneResult(
-        recipe_path=str(write_recipe), max_bits=max_bits, max_kl=max_kl, bits_per_weight=bpw,
-        predicted_kl=float(table.best[cap]), moved=moved, measurement_cached=entry.hit,
-        verified=verified, report=report, met=met,
-    )  # fmt: skip
+
+def _write_tune_files(
+    out: Path, result: TuneResult, front: list, scale: float, predicted_base: float
+) -> None:
+    """tune.json (the result, the predicted frontier and its scale) and tune.png."""
+    from ..io.atomic import atomic_write_text
+    from .plots import plot_tune
+
     extra = {
         "frontier_predicted": front,
         "predicted_scale": scale,
@@ -317,9 +423,6 @@ def run(
         out / "tune.json",
         json.dumps({**result.to_json(), **extra}, indent=2, sort_keys=True) + "\n",
     )
-    from .plots import plot_tune
-
-    png = plot_tune(front, scale, verified, max_bits, max_kl)
+    png = plot_tune(front, scale, result.verified, result.max_bits, result.max_kl)
     if png:
         (out / "tune.png").write_bytes(png)
-    return result

@@ -18,6 +18,7 @@ Two modes:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,43 @@ def model_ref(path: Path) -> ModelRef:
     return ModelRef(path=Path(path), model_hash=hash_model_dir(Path(path))[1])
 
 
+@dataclass
+class _Loader:
+    """Loads both models as evaluate runs them: on `device`, in `dtype`, offloaded to host
+    memory when asked (disk is host memory here too)."""
+
+    device: str
+    dtype: str | None
+    offload: str
+    skip: tuple[int, ...]
+
+    def load(self, p: Path) -> Any:
+        offload = "none" if self.offload == "none" else "cpu"
+        return load_model(p, device=self.device, dtype=self.dtype, offload=offload)
+
+    def candidate(self, p: Path) -> tuple[Any, int]:
+        """The candidate computing as served: vLLM's Linear numerics, the 16-bit KV layers.
+        -> (model, Linears changed)."""
+        m = self.load(p)
+        n = serve_linears(m)
+        skip_kv_layers(m, self.skip)
+        return m, n
+
+
+@dataclass
+class _Scored:
+    """What the scoring passes hand to the report."""
+
+    on: kl_stats.Accumulator
+    off: kl_stats.Accumulator | None
+    n_linear: int
+    n_hooked: int
+    timings: dict[str, float]
+    ref_entry: Any = None
+    measured: Any = None
+    greedy: GreedyAgreement | None = None
+
+
 def evaluate(
     reference: ModelRef,
     candidate: ModelRef,
@@ -88,8 +126,6 @@ def evaluate(
     custom tasks (data/custom_tasks.py)."""
     o = options or EvalOptions()
     device = o.device or default_device()
-    tasks, hub_tasks, dtype, exact, topk = o.tasks, o.hub_tasks, o.dtype, o.exact, o.topk
-    batch_size, attention, offload = o.batch_size, o.attention, o.offload
     if heldout_ids.ndim != 2 or heldout_ids.shape[1] < 2:
         raise UsageError(
             f"held-out ids must be [sequences, seq_len>=2], got {tuple(heldout_ids.shape)}"
@@ -99,105 +135,28 @@ def evaluate(
     do_kv_off = o.kv_off and scheme is not None
     # layers served with a 16-bit KV cache (the recipe's kv_cache.skip_layers)
     skip = o.kv_skip_layers if o.kv_skip_layers is not None else kv_skip_layers(candidate.path)
+    loader = _Loader(device, o.dtype, o.offload, skip)
     timings: dict[str, float] = {}
-
-    def load(p: Path) -> Any:
-        return load_model(
-            p, device=device, dtype=dtype, offload="none" if offload == "none" else "cpu"
-        )
-
-    def load_candidate() -> tuple[Any, int]:
-        """The candidate computing as served: vLLM's Linear numerics, the 16-bit KV layers.
-        -> (model, Linears changed)."""
-        m = load(candidate.path)
-        n = serve_linears(m)
-        skip_kv_layers(m, skip)
-        return m, n
-
     t_all = time.perf_counter()
-    ref_entry = None
-    measured = None
-    greedy: GreedyAgreement | None = None
-    if exact:
-        t0 = time.perf_counter()
-        ref_model, (cand_model, n_linear) = load(reference.path), load_candidate()
-        timings["load_s"] = time.perf_counter() - t0
-        hooked = kv_modules(cand_model)
-        n_hooked = len(hooked)
-        t0 = time.perf_counter()
-        with served_attention(cand_model, attention, hooked):
-            on, off = _lockstep(ref_model, cand_model, ids, batch_size, do_kv_off)
-            if o.greedy_prompts:
-                prompts = greedy_mod.prompts(ids, o.greedy_prompts)
-                ref_cont = greedy_mod.continue_greedily(ref_model, prompts, o.greedy_tokens,
-                                                        batch_size)  # fmt: skip
-                greedy = _greedy(cand_model, prompts, ref_cont, False, o, timings)
-        sync(device)
-        timings["lockstep_s"] = time.perf_counter() - t0
-        del ref_model, cand_model
+    if o.exact:
+        scored = _score_exact(reference, candidate, ids, o, loader, do_kv_off)
     else:
-        t0 = time.perf_counter()
-        ref_entry = reference_cache.get_or_build(
-            cache_dir, reference, ids, topk=topk, forward=forward_logits, load_model=load,
-            batch_size=batch_size, dtype=dtype or "auto", device=device,
-        )  # fmt: skip
-        timings["reference_s"] = time.perf_counter() - t0
-        ref = ref_entry.load()
-        if o.greedy_prompts:  # the reference's continuations: cached beside its log-probs
-            t0 = time.perf_counter()
-            prompts = greedy_mod.prompts(ids, o.greedy_prompts)
-            ref_cont, ref_hit = greedy_mod.reference_continuations(
-                cache_dir, reference.model_hash, prompts, tokens=o.greedy_tokens,
-                dtype=dtype or "auto", device=device, batch_size=batch_size,
-                load=lambda: load(reference.path),
-            )  # fmt: skip
-            timings["reference_greedy_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        cand_model, n_linear = load_candidate()
-        timings["load_s"] = time.perf_counter() - t0
-        hooked = kv_modules(cand_model)
-        n_hooked = len(hooked)
-        t0 = time.perf_counter()
-        passes = {"on": True, "off": False} if do_kv_off else {"on": True}
-        capture = (Capture(min(o.measured_topk, topk)) if measured_path and o.measured_topk
-                   else None)  # fmt: skip
-        with served_attention(cand_model, attention, hooked):
-            spent: dict[str, float] = {}
-            scored = score_against_reference(cand_model, ids, ref, batch_size, passes,
-                                             "candidate", capture=capture, timings=spent)  # fmt: skip
-            timings.update({f"candidate_{k}": v for k, v in spent.items()})
-            if o.greedy_prompts:
-                greedy = _greedy(cand_model, prompts, ref_cont, ref_hit, o, timings)
-        if capture is not None and measured_path is not None:
-            measured = capture.save(measured_path, ids, attention if n_hooked else "kv-only")
-        on, off = scored["on"], scored.get("off")
-        sync(device)
-        timings["candidate_s"] = time.perf_counter() - t0
-        del cand_model
-    if scheme is not None and n_hooked == 0 and not skip:  # (every layer 16-bit: none left)
+        scored = _score_cached(reference, candidate, ids, o, loader, do_kv_off,
+                               cache_dir=cache_dir, measured_path=measured_path)  # fmt: skip
+    if scheme is not None and scored.n_hooked == 0 and not skip:  # (every layer 16-bit: none left)
         raise StageError(
             "candidate config has a kv_cache_scheme but no attention module carries the "
             "compressed-tensors KV hook after loading: the FP8 KV cache would not be in the loop",
             path=str(candidate.path / "config.json"),
             hint="check the transformers / compressed-tensors versions against constraints.txt",
         )
-    numerics = attention if (scheme is not None and n_hooked) else "no fp8 kv cache"
-    mode = "exact" if exact else f"cached-top{topk}+tail"
-    metrics = Metrics(**on.summary(), kl_mode=mode)
+    timings.update(scored.timings)
+    mode = "exact" if o.exact else f"cached-top{o.topk}+tail"
+    metrics = Metrics(**scored.on.summary(), kl_mode=mode)
+    off = scored.off
     metrics_off = Metrics(**off.summary(), kl_mode=mode) if do_kv_off and off else None
-
-    benchmarks = Benchmarks()
-    if tasks or hub_tasks or custom_dir:
-        from . import benchmarks as bm
-
-        t0 = time.perf_counter()
-        benchmarks = bm.compare(
-            reference, candidate.path, tasks=list(tasks), hub_tasks=list(hub_tasks),
-            data_dir=data_dir, limit=o.limit, cache_dir=cache_dir, device=device, dtype=dtype,
-            batch_size=o.task_batch_size, offload=offload, code_execution=o.code_execution,
-            custom_dir=custom_dir,
-        )  # fmt: skip
-        timings["benchmarks_s"] = time.perf_counter() - t0
+    benchmarks = _benchmarks(reference, candidate, o, device, data_dir, cache_dir, timings,
+                             custom_dir)  # fmt: skip
     timings["total_s"] = time.perf_counter() - t_all
     return EvalReport(
         reference=reference,
@@ -205,45 +164,19 @@ def evaluate(
             path=candidate.path,
             model_hash=candidate.model_hash,
             kv_cache_scheme=scheme,
-            kv_hooked_attention_modules=n_hooked,
-            served_linear_modules=n_linear,
+            kv_hooked_attention_modules=scored.n_hooked,
+            served_linear_modules=scored.n_linear,
         ),
-        corpus=CorpusRef(
-            source=corpus.source if corpus else None,
-            corpus_hash=corpus.corpus_hash if corpus else None,
-            heldout_hash=tensor_hash(ids),
-            sequences=int(ids.shape[0]),
-            seq_len=int(ids.shape[1]),
-            tokens_scored=int(ids.shape[0] * (ids.shape[1] - 1)),
-        ),
-        settings=EvalSettings(
-            mode=mode,
-            topk=None if exact else topk,
-            kl_approximation=None
-            if exact
-            else (
-                f"reference stored as its top-{topk} log-probs + one bucket for the rest; "
-                "KL = sum_topk p log(p/q) + P_tail log(P_tail/Q_tail), a lower bound of the "
-                "full-vocabulary KL (log-sum inequality); top-1, ppl and dp are exact"
-            ),
-            kl_dtype="float64",
-            batch_size=batch_size,
-            device=device,
-            dtype=dtype or "auto",
-            kv_cache="on (as deployed)" if scheme else "none in candidate",
-            kv_16bit_layers=list(skip),
-            attention=numerics,
-            weights_only_pass=do_kv_off,
-            served_numerics=SERVED_NUMERICS if (n_linear or n_hooked) else None,
-        ),  # fmt: skip
+        corpus=_corpus_ref(ids, corpus),
+        settings=_settings(o, device, scheme, skip, scored, weights_only_pass=do_kv_off),
         metrics=metrics,
         metrics_weights_only=metrics_off,
         kv_cache_share=_kv_share(metrics, metrics_off),
-        reference_cache=ref_entry.info() if ref_entry else None,
+        reference_cache=scored.ref_entry.info() if scored.ref_entry else None,
         benchmarks=benchmarks,
         overlap=overlap,
-        measured=measured,
-        greedy=greedy,
+        measured=scored.measured,
+        greedy=scored.greedy,
         timings={k: round(v, 3) for k, v in timings.items()},
     )
 
@@ -259,6 +192,143 @@ def _greedy(
     timings["candidate_greedy_s"] = time.perf_counter() - t0
     agreed = greedy_mod.agreement(ref_cont, cont)
     return agreed.model_copy(update={"reference_cached": ref_hit})
+
+
+def _score_exact(
+    reference: ModelRef, candidate: ModelRef, ids: torch.Tensor, o: EvalOptions,
+    loader: _Loader, kv_off: bool,
+) -> _Scored:  # fmt: skip
+    """Exact mode: both models loaded, run in lockstep over the full vocabulary."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    ref_model, (cand_model, n_linear) = (
+        loader.load(reference.path),
+        loader.candidate(candidate.path),
+    )
+    timings["load_s"] = time.perf_counter() - t0
+    hooked = kv_modules(cand_model)
+    t0 = time.perf_counter()
+    greedy = None
+    with served_attention(cand_model, o.attention, hooked):
+        on, off = _lockstep(ref_model, cand_model, ids, o.batch_size, kv_off)
+        if o.greedy_prompts:
+            prompts = greedy_mod.prompts(ids, o.greedy_prompts)
+            ref_cont = greedy_mod.continue_greedily(ref_model, prompts, o.greedy_tokens,
+                                                    o.batch_size)  # fmt: skip
+            greedy = _greedy(cand_model, prompts, ref_cont, False, o, timings)
+    sync(loader.device)
+    timings["lockstep_s"] = time.perf_counter() - t0
+    del ref_model, cand_model
+    return _Scored(on, off, n_linear, len(hooked), timings, greedy=greedy)
+
+
+def _score_cached(
+    reference: ModelRef, candidate: ModelRef, ids: torch.Tensor, o: EvalOptions,
+    loader: _Loader, kv_off: bool, *, cache_dir: Path, measured_path: Path | None,
+) -> _Scored:  # fmt: skip
+    """Cached mode: the reference's top-k log-probs from the cache (built once, its model
+    freed), then the candidate scored against them; its top-k kept for the served check."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    run = reference_cache.ReferencePass(forward_logits, loader.load, o.batch_size, loader.device)
+    ref_entry = reference_cache.get_or_build(
+        cache_dir, reference, ids, topk=o.topk, dtype=o.dtype or "auto", run=run
+    )
+    timings["reference_s"] = time.perf_counter() - t0
+    ref = ref_entry.load()
+    if o.greedy_prompts:  # the reference's continuations: cached beside its log-probs
+        t0 = time.perf_counter()
+        prompts = greedy_mod.prompts(ids, o.greedy_prompts)
+        ref_cont, ref_hit = greedy_mod.reference_continuations(
+            cache_dir, reference.model_hash, prompts, tokens=o.greedy_tokens,
+            dtype=o.dtype or "auto", device=loader.device, batch_size=o.batch_size,
+            load=lambda: loader.load(reference.path),
+        )  # fmt: skip
+        timings["reference_greedy_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cand_model, n_linear = loader.candidate(candidate.path)
+    timings["load_s"] = time.perf_counter() - t0
+    hooked = kv_modules(cand_model)
+    t0 = time.perf_counter()
+    passes = {"on": True, "off": False} if kv_off else {"on": True}
+    capture = (Capture(min(o.measured_topk, o.topk)) if measured_path and o.measured_topk
+               else None)  # fmt: skip
+    with served_attention(cand_model, o.attention, hooked):
+        spent: dict[str, float] = {}
+        scored = score_against_reference(cand_model, ids, ref, o.batch_size, passes,
+                                         "candidate", capture=capture, timings=spent)  # fmt: skip
+        timings.update({f"candidate_{k}": v for k, v in spent.items()})
+        greedy = (_greedy(cand_model, prompts, ref_cont, ref_hit, o, timings)
+                  if o.greedy_prompts else None)  # fmt: skip
+    measured = None
+    if capture is not None and measured_path is not None:
+        measured = capture.save(measured_path, ids, o.attention if hooked else "kv-only")
+    sync(loader.device)
+    timings["candidate_s"] = time.perf_counter() - t0
+    del cand_model
+    on, off = scored["on"], scored.get("off")
+    return _Scored(on, off, n_linear, len(hooked), timings, ref_entry, measured, greedy)
+
+
+def _benchmarks(
+    reference: ModelRef, candidate: ModelRef, o: EvalOptions, device: str,
+    data_dir: Path | None, cache_dir: Path, timings: dict[str, float],
+    custom_dir: Path | None,
+) -> Benchmarks:  # fmt: skip
+    """The lm-eval tasks on both models (none asked: an empty record)."""
+    if not (o.tasks or o.hub_tasks or custom_dir):
+        return Benchmarks()
+    from . import benchmarks as bm
+
+    t0 = time.perf_counter()
+    res = bm.compare(
+        reference, candidate.path, tasks=list(o.tasks), hub_tasks=list(o.hub_tasks),
+        data_dir=data_dir, limit=o.limit, cache_dir=cache_dir, device=device, dtype=o.dtype,
+        batch_size=o.task_batch_size, offload=o.offload, code_execution=o.code_execution,
+        custom_dir=custom_dir,
+    )  # fmt: skip
+    timings["benchmarks_s"] = time.perf_counter() - t0
+    return res
+
+
+def _corpus_ref(ids: torch.Tensor, corpus: TokenSetInfo | None) -> CorpusRef:
+    return CorpusRef(
+        source=corpus.source if corpus else None,
+        corpus_hash=corpus.corpus_hash if corpus else None,
+        heldout_hash=tensor_hash(ids),
+        sequences=int(ids.shape[0]),
+        seq_len=int(ids.shape[1]),
+        tokens_scored=int(ids.shape[0] * (ids.shape[1] - 1)),
+    )
+
+
+def _settings(
+    o: EvalOptions, device: str, scheme: Any, skip: Any, scored: _Scored, *,
+    weights_only_pass: bool,
+) -> EvalSettings:  # fmt: skip
+    """What evaluate reports having used."""
+    exact, topk = o.exact, o.topk
+    n_hooked = scored.n_hooked
+    return EvalSettings(
+        mode="exact" if exact else f"cached-top{topk}+tail",
+        topk=None if exact else topk,
+        kl_approximation=None
+        if exact
+        else (
+            f"reference stored as its top-{topk} log-probs + one bucket for the rest; "
+            "KL = sum_topk p log(p/q) + P_tail log(P_tail/Q_tail), a lower bound of the "
+            "full-vocabulary KL (log-sum inequality); top-1, ppl and dp are exact"
+        ),
+        kl_dtype="float64",
+        batch_size=o.batch_size,
+        device=device,
+        dtype=o.dtype or "auto",
+        kv_cache="on (as deployed)" if scheme else "none in candidate",
+        kv_16bit_layers=list(skip),
+        attention=o.attention if (scheme is not None and n_hooked) else "no fp8 kv cache",
+        weights_only_pass=weights_only_pass,
+        served_numerics=SERVED_NUMERICS if (scored.n_linear or n_hooked) else None,
+    )  # fmt: skip
 
 
 def _lockstep(

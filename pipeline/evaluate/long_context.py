@@ -203,16 +203,15 @@ def check_artifact(
     """`run` for a quantized folder and its reference with a recipe's `serve:` section (its
     engine, KV-cache dtype and long_context) and the text of its corpus `source` around the
     needle."""
-    import json
-
     from transformers import AutoTokenizer
 
     from ..data.corpus import load_corpus
     from ..model.checkpoint import text_config
+    from ..model.files import read_config_json
     from . import engines
 
     assert sg.long_context is not None
-    cfg = json.loads((Path(artifact) / "config.json").read_text(encoding="utf-8"))
+    cfg = read_config_json(Path(artifact))
     qc = cfg.get("quantization_config") or {}
     mp = text_config(cfg).get("max_position_embeddings")
     ds, _ = load_corpus(source)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..io.atomic import atomic_write_text
+from ..records.benchmarks import Benchmarks
 from ..records.evaluation import EvalFile, Metrics
 
 
@@ -72,59 +73,72 @@ def render_markdown(ev: EvalFile) -> str:
         lines += ["", f"Greedy agreement: {ev.greedy.describe()} ({ev.greedy.engine})."]
     if s.kl_approximation:
         lines += ["", f"KL approximation: {s.kl_approximation}."]
-    if ev.benchmarks.tasks:
-        b = ev.benchmarks
-        lines += [
-            "",
-            "## Benchmarks (lm-eval, both models on the same items)",
-            "",
-            f"Items per task: {'all' if b.limit is None else f'the first {b.limit}'}"
-            f"{' (per subject for mmlu)' if b.limit and 'mmlu' in b.tasks else ''}. Drop = "
-            "reference − candidate in percentage points; its interval is paired (per-item "
-            "differences). lost / gained: items only the reference / only the candidate got right.",
-            "",
-            "| task | items | metric | reference | candidate | drop pp [95 % CI] | noise | "
-            "lost / gained |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for name, t in sorted(b.tasks.items()):
-            if t.status != "ok" or t.reference is None or t.candidate is None:
-                lines.append(f"| {name} | – | – | – | – | – | {t.describe()} | – |")
-                continue
-            lo, hi = t.ci95_pp or (float("nan"), float("nan"))
-            lines.append(
-                f"| {name} | {t.n} of {t.n_total} ({t.split}) | {t.metric} | "
-                f"{100 * t.reference.value:.1f} % | {100 * t.candidate.value:.1f} % | "
-                f"{t.drop_pp:+.2f} [{lo:+.2f}, {hi:+.2f}] | "
-                f"{'within' if t.within_noise else 'BEYOND'} | {t.lost} / {t.gained} |"
-            )
-        code = sorted(n for n, t in b.tasks.items() if t.isolation)
-        if code:  # the sandbox's isolation (evaluate/sandbox.py), one for the whole run
-            lines += ["", f"Model-written code ({', '.join(code)}) ran sandboxed: "
-                      f"{b.tasks[code[0]].isolation}."]  # fmt: skip
+    lines += _benchmarks(ev.benchmarks)
     if ev.overlap:
         o = ev.overlap
         worst = ", ".join(f"{k} {s.overlapping}/{s.items}" for k, s in o.sets.items())
         lines += ["", f"Overlap with the calibration text ({o.n}-gram, limit "
                   f"{o.max_fraction:.1%}): {worst}."]  # fmt: skip
-    if ev.verdict:
-        v = ev.verdict
-        lines += [
-            "",
-            f"## Gate: {'PASSED' if v.passed else 'FAILED'}",
-            "",
-            "| check | value | limit | result |",
-            "|---|---|---|---|",
-        ]
-        for ch in v.checks:
-            note = f" ({ch.note})" if ch.note else ""
-            lines.append(
-                f"| {ch.name} | {_f(ch.value)} | {ch.op} {_f(ch.limit)} | "
-                f"{'pass' if ch.passed else 'FAIL'}{note} |"
-            )
+    lines += _gate(ev)
     if ev.timings:
         lines += ["", "Timings (s): " + ", ".join(f"{k} {v}" for k, v in ev.timings.items())]
     return "\n".join(lines) + "\n"
+
+
+def _benchmarks(b: Benchmarks) -> list[str]:
+    """The lm-eval tasks, reference beside candidate, and the sandbox they ran in."""
+    if not b.tasks:
+        return []
+    lines = [
+        "",
+        "## Benchmarks (lm-eval, both models on the same items)",
+        "",
+        f"Items per task: {'all' if b.limit is None else f'the first {b.limit}'}"
+        f"{' (per subject for mmlu)' if b.limit and 'mmlu' in b.tasks else ''}. Drop = "
+        "reference − candidate in percentage points; its interval is paired (per-item "
+        "differences). lost / gained: items only the reference / only the candidate got right.",
+        "",
+        "| task | items | metric | reference | candidate | drop pp [95 % CI] | noise | "
+        "lost / gained |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, t in sorted(b.tasks.items()):
+        if t.status != "ok" or t.reference is None or t.candidate is None:
+            lines.append(f"| {name} | – | – | – | – | – | {t.describe()} | – |")
+            continue
+        lo, hi = t.ci95_pp or (float("nan"), float("nan"))
+        lines.append(
+            f"| {name} | {t.n} of {t.n_total} ({t.split}) | {t.metric} | "
+            f"{100 * t.reference.value:.1f} % | {100 * t.candidate.value:.1f} % | "
+            f"{t.drop_pp:+.2f} [{lo:+.2f}, {hi:+.2f}] | "
+            f"{'within' if t.within_noise else 'BEYOND'} | {t.lost} / {t.gained} |"
+        )
+    code = sorted(n for n, t in b.tasks.items() if t.isolation)
+    if code:  # the sandbox's isolation (evaluate/sandbox.py), one for the whole run
+        lines += ["", f"Model-written code ({', '.join(code)}) ran sandboxed: "
+                  f"{b.tasks[code[0]].isolation}."]  # fmt: skip
+    return lines
+
+
+def _gate(ev: EvalFile) -> list[str]:
+    """The gate's verdict, one row per check."""
+    v = ev.verdict
+    if not v:
+        return []
+    lines = [
+        "",
+        f"## Gate: {'PASSED' if v.passed else 'FAILED'}",
+        "",
+        "| check | value | limit | result |",
+        "|---|---|---|---|",
+    ]
+    for ch in v.checks:
+        note = f" ({ch.note})" if ch.note else ""
+        lines.append(
+            f"| {ch.name} | {_f(ch.value)} | {ch.op} {_f(ch.limit)} | "
+            f"{'pass' if ch.passed else 'FAIL'}{note} |"
+        )
+    return lines
 
 
 def write_outputs(ev: EvalFile, out_dir: Path) -> dict[str, Path]:

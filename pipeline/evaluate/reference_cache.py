@@ -67,24 +67,33 @@ def reference_key(ref_hash: str, ids: torch.Tensor, *, topk: int, dtype: str) ->
     )
 
 
+@dataclass(frozen=True)
+class ReferencePass:
+    """How the reference pass runs when the entry is absent (none of it is in the key)."""
+
+    forward: Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    """(model, ids) -> (logits, next ids): evaluate.scoring.forward_logits."""
+    load_model: Callable[[Path], Any]
+    batch_size: int
+    device: str
+
+
 def get_or_build(
     cache_dir: Path,
     reference: ModelRef,
     ids: torch.Tensor,
     *,
     topk: int,
-    forward: Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-    load_model: Callable[[Path], Any],
-    batch_size: int,
     dtype: str,
-    device: str,
+    run: ReferencePass,
 ) -> ReferenceEntry:
-    """Cached reference entry; builds it (one reference pass) when absent."""
+    """Cached reference entry; builds it (one reference pass, as `run` says) when absent."""
     key = reference_key(reference.model_hash, ids, topk=topk, dtype=dtype)
+    forward, batch_size, device = run.forward, run.batch_size, run.device
 
     def build(tmp: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
-        model = load_model(reference.path)
+        model = run.load_model(reference.path)
         t_load = time.perf_counter() - t0
         parts: dict[str, list[torch.Tensor]] = {}
         t1 = time.perf_counter()

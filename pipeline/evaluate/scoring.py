@@ -12,7 +12,6 @@ compressed-tensors' QuantizedKVCache.forward reads) gives the weights-only figur
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from .. import log
 from ..errors import UsageError
 from ..model.checkpoint import query_group
+from ..model.files import read_config_json
 from . import kl_stats
 
 KV_ATTR = "kv_cache"  # compressed_tensors.modeling.kvcache.KV_CACHE_ATTR
@@ -30,7 +30,7 @@ KV_ATTR = "kv_cache"  # compressed_tensors.modeling.kvcache.KV_CACHE_ATTR
 
 def quantization_config(model_dir: Path) -> dict[str, Any]:
     """config.json's quantization_config ({} for a dense model)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = read_config_json(Path(model_dir))
     qc = cfg.get("quantization_config")
     return qc if isinstance(qc, dict) else {}
 

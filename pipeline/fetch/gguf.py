@@ -25,7 +25,7 @@ from ..io.hashing import Manifest, hash_files, list_files
 from ..io.pins import pin_path, unpinned_error, verify_against_pin
 from ..records.snapshot import Snapshot
 from .gguf_header import check_gguf
-from .snapshot import SNAPSHOT_DIR, STAGE, finish, from_cache
+from .snapshot import SNAPSHOT_DIR, STAGE, Origin, finish, from_cache
 from .sources import Source
 
 DTYPE = "bfloat16"
@@ -91,9 +91,9 @@ def fetch_gguf(
                 **({"about": pinned.about} if pinned and pinned.about else {}),
             },
         }
-        return finish(out, files, source=src.text, repo_id=repo_id, revision=dq_revision,
-                      manifest_path=manifest_path, pin=pin, checks=checks, key=key,
-                      license=license_, require_pin=require_pin)  # fmt: skip
+        origin = Origin(src.text, repo_id, dq_revision, license=license_)
+        return finish(out, files, origin=origin, manifest_path=manifest_path, pin=pin,
+                      checks=checks, key=key, require_pin=require_pin)  # fmt: skip
 
     return from_cache(cache_dir, key, build)
 

@@ -13,7 +13,7 @@ from ..io.hashing import Manifest, list_files
 from ..io.pins import pin_path
 from ..model.files import PICKLE_SUFFIXES, WEIGHT_SUFFIXES, is_model_file
 from ..records.snapshot import Snapshot
-from .snapshot import SNAPSHOT_DIR, STAGE, copy_and_hash, finish, from_cache
+from .snapshot import SNAPSHOT_DIR, STAGE, Origin, copy_and_hash, finish, from_cache
 from .sources import Source, hf_cache_layout
 
 
@@ -51,7 +51,7 @@ def fetch_dir(
     def build(tmp: Path) -> dict:
         out = tmp / SNAPSHOT_DIR
         files = copy_and_hash(root, rels, out, label=f"copy {root.name}")
-        return finish(out, files, source=src.text, repo_id=repo_id, revision=revision,
+        return finish(out, files, origin=Origin(src.text, repo_id, revision),
                       manifest_path=manifest_path, pin=pin, checks={}, key=key,
                       require_pin=require_pin)  # fmt: skip
 

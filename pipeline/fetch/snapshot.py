@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,21 +79,30 @@ def check_consistency(snap_dir: Path, files: dict[str, FileDigest]) -> list[str]
     return problems
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where a snapshot came from, as its record and its pin name it."""
+
+    source: str
+    """The source as given (hf://org/name@commit, a folder, pypi:...)."""
+    repo_id: str | None
+    revision: str | None
+    license: str | None = None
+
+
 def finish(
     out: Path,
     files: dict[str, FileDigest],
     *,
-    source: str,
-    repo_id: str | None,
-    revision: str | None,
+    origin: Origin,
     manifest_path: Path,
     pin: bool,
     checks: dict[str, Any],
     key: str,
-    license: str | None = None,
     require_pin: bool = False,
 ) -> dict:
     """Every check on a built snapshot; returns the cache record (its path relative)."""
+    source, repo_id, revision = origin.source, origin.repo_id, origin.revision
     fail_if(
         check_consistency(out, files),
         where=source,
@@ -112,7 +122,7 @@ def finish(
         manifest=mpath,
         model_hash=model_hash(files),
         pin_status=status,
-        license=license,
+        license=origin.license,
         checks=checks,
         cache_key=key,
     )

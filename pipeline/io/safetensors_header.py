@@ -13,13 +13,15 @@ spaces, padded with spaces to a multiple of 8), so the same tensors give the sam
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ..errors import IntegrityError
 
@@ -90,14 +92,40 @@ def parse_header(prefix: bytes, file_size: int, *, where: str = "<safetensors>")
     `prefix` must hold at least the 8 length bytes plus the header (read_header reads
     exactly that much after checking the length).
     """
+    fail = functools.partial(_malformed, where=where)
+    n, obj = _header_object(prefix, file_size, fail)
+    meta = obj.pop("__metadata__", None)
+    if meta is not None and (
+        not isinstance(meta, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+    ):
+        raise fail("__metadata__ must map strings to strings")
+    data_len = file_size - 8 - n
+    tensors = {name: _tensor_info(name, t, data_len, fail) for name, t in obj.items()}
+    pos = 0
+    for name, t in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if t.begin != pos:
+            kind = "overlaps the previous tensor" if t.begin < pos else f"leaves a gap at {pos}"
+            raise fail(f"tensor {name!r} at [{t.begin}, {t.end}] {kind}")
+        pos = t.end
+    if pos != data_len:
+        raise fail(f"tensors cover {pos} bytes but the data region has {data_len} (trailing bytes)")
+    return Header(where, n, file_size, tensors, meta)
 
-    def fail(msg: str) -> IntegrityError:
-        return IntegrityError(
-            f"malformed safetensors file: {msg}",
-            path=where,
-            hint="re-package the artifact from the quantized checkpoint; do not deploy this file",
-        )
 
+def _malformed(msg: str, *, where: str) -> IntegrityError:
+    return IntegrityError(
+        f"malformed safetensors file: {msg}",
+        path=where,
+        hint="re-package the artifact from the quantized checkpoint; do not deploy this file",
+    )
+
+
+def _header_object(
+    prefix: bytes, file_size: int, fail: Callable[[str], IntegrityError]
+) -> tuple[int, dict]:
+    """(header length, the header's JSON object): its length within the file, UTF-8 JSON,
+    an object, no key twice."""
     if file_size < 8 or len(prefix) < 8:
         raise fail(f"file is {file_size} bytes, shorter than the 8-byte header length")
     (n,) = struct.unpack("<Q", prefix[:8])
@@ -117,54 +145,44 @@ def parse_header(prefix: bytes, file_size: int, *, where: str = "<safetensors>")
         raise fail(f"header is not a JSON object ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(obj, dict):
         raise fail("header is not a JSON object")
-    meta = obj.pop("__metadata__", None)
-    if meta is not None and (
-        not isinstance(meta, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+    return n, obj
+
+
+def _tensor_info(
+    name: str, t: Any, data_len: int, fail: Callable[[str], IntegrityError]
+) -> TensorInfo:
+    """One header entry: a known dtype, a shape, offsets that span exactly its bytes and
+    end within the data region."""
+    if not name or not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
+        raise fail(f"tensor {name[:80]!r}: entry must have exactly dtype, shape, data_offsets")
+    dtype, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise fail(f"tensor {name!r}: unknown dtype {str(dtype)[:20]!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_RANK
+        or not all(_is_int(d) and 0 <= d < 2**48 for d in shape)
     ):
-        raise fail("__metadata__ must map strings to strings")
-    data_len = file_size - 8 - n
-    tensors: dict[str, TensorInfo] = {}
-    for name, t in obj.items():
-        if not name or not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
-            raise fail(f"tensor {name[:80]!r}: entry must have exactly dtype, shape, data_offsets")
-        dtype, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise fail(f"tensor {name!r}: unknown dtype {str(dtype)[:20]!r}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_RANK
-            or not all(_is_int(d) and 0 <= d < 2**48 for d in shape)
-        ):
-            raise fail(f"tensor {name!r}: shape {str(shape)[:80]} is not a list of sizes")
-        if not (
-            isinstance(offs, list)
-            and len(offs) == 2
-            and all(_is_int(o) for o in offs)
-            and 0 <= offs[0] <= offs[1]
-        ):
-            raise fail(f"tensor {name!r}: data_offsets {str(offs)[:80]} is not [begin, end]")
-        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
-        if offs[1] - offs[0] != nbytes:
-            raise fail(
-                f"tensor {name!r}: data_offsets span {offs[1] - offs[0]} bytes, "
-                f"but {dtype}{shape} needs {nbytes}"
-            )
-        if offs[1] > data_len:
-            raise fail(
-                f"tensor {name!r}: data ends at {offs[1]}, beyond the {data_len} data bytes "
-                "(truncated file?)"
-            )
-        tensors[name] = TensorInfo(dtype, tuple(shape), offs[0], offs[1])
-    pos = 0
-    for name, t in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if t.begin != pos:
-            kind = "overlaps the previous tensor" if t.begin < pos else f"leaves a gap at {pos}"
-            raise fail(f"tensor {name!r} at [{t.begin}, {t.end}] {kind}")
-        pos = t.end
-    if pos != data_len:
-        raise fail(f"tensors cover {pos} bytes but the data region has {data_len} (trailing bytes)")
-    return Header(where, n, file_size, tensors, meta)
+        raise fail(f"tensor {name!r}: shape {str(shape)[:80]} is not a list of sizes")
+    if not (
+        isinstance(offs, list)
+        and len(offs) == 2
+        and all(_is_int(o) for o in offs)
+        and 0 <= offs[0] <= offs[1]
+    ):
+        raise fail(f"tensor {name!r}: data_offsets {str(offs)[:80]} is not [begin, end]")
+    nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+    if offs[1] - offs[0] != nbytes:
+        raise fail(
+            f"tensor {name!r}: data_offsets span {offs[1] - offs[0]} bytes, "
+            f"but {dtype}{shape} needs {nbytes}"
+        )
+    if offs[1] > data_len:
+        raise fail(
+            f"tensor {name!r}: data ends at {offs[1]}, beyond the {data_len} data bytes "
+            "(truncated file?)"
+        )
+    return TensorInfo(dtype, tuple(shape), offs[0], offs[1])
 
 
 def read_header(path: Path) -> Header:

@@ -40,6 +40,7 @@ from ..io.safetensors_header import (
 )
 from ..records.plan import ActivationScheme, ModuleScheme
 from .devices import DTYPES
+from .files import collect_config_json
 from .matching import matches
 from .moe import saved_name_to_module
 from .quantized_tensors import (
@@ -75,7 +76,7 @@ def inspect_checkpoint(
     `error` listing them all, its path the first offending file."""
     root = Path(root)
     p = Problems(root, error=error, hint=hint)
-    config = read_json_object(root / "config.json", p, "config.json")
+    config = collect_config_json(root, p)
     p.raise_if_any("config check")
     assert config is not None
     headers = read_headers(root, p)
@@ -168,30 +169,55 @@ def _dims_note(shape: tuple[int, ...], cfg: dict) -> str:
 
 
 def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems):
-    import torch
-
-    cfg = text_config(config)
-    dt = DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or config.get("dtype")))
+    """Every tensor the model built from `config` needs, against the stored ones; problems
+    go to `p`. -> (every Linear module -> its saved scheme, whether a KV cache is quantized)."""
     groups = qc.get("config_groups") or {}
-    ignore = [x for x in (qc.get("ignore") or []) if isinstance(x, str)]
     if not isinstance(groups, dict) or not isinstance(qc.get("ignore") or [], list):
         p.add("config.json", "quantization_config.config_groups / ignore malformed")
         return {}, False
+    check = _ModelCheck(root, config, qc, model, headers, tensors, p)
     mods = dict(model.named_modules())
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
-    tied_head = next(
-        (n for n, m in mods.items() if m is out_emb and out_emb.weight is in_emb.weight), None
-    )
-    expected: set[str] = set()
-    schemes: dict[str, ModuleScheme | None] = {}
+    for name, mod in mods.items():
+        check.module(name, mod)
+    kv = isinstance(qc.get("kv_cache_scheme"), dict)
+    check.attention(model, mods, kv)
+    for msg in split_fused(check.schemes):  # a checkpoint written elsewhere, or before the rule
+        p.add("config.json", msg)
+    check_scale_values(root, tensors, headers, p)
+    check_layers(check.cfg, tensors, p)
+    for name in sorted(set(tensors) - check.expected):
+        p.add(tensors[name][0], f"{name}: not a tensor of {type(model).__name__}")
+    return check.schemes, kv
 
-    def need(name: str, shape: tuple[int, ...], module: Any = None) -> None:
-        expected.add(name)
-        if name not in tensors:
+
+class _ModelCheck:
+    """The walk of `_check_model`: the tensors expected so far, each Linear's scheme."""
+
+    def __init__(self, root, config, qc, model, headers, tensors: Tensors, p: Problems):
+        self.root, self.qc, self.headers, self.tensors, self.p = root, qc, headers, tensors, p
+        self.cfg = cfg = text_config(config)
+        self.dt = DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or config.get("dtype")))
+        self.groups = qc.get("config_groups") or {}
+        self.ignore = [x for x in (qc.get("ignore") or []) if isinstance(x, str)]
+        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+        self.tied_head = next(
+            (n for n, m in model.named_modules()
+             if m is out_emb and out_emb.weight is in_emb.weight), None,
+        )  # fmt: skip
+        self.expected: set[str] = set()
+        self.schemes: dict[str, ModuleScheme | None] = {}
+
+    def need(self, name: str, shape: tuple[int, ...], module: Any = None) -> None:
+        """`name` must be stored with `shape` (norms and embeddings in config.json's dtype)."""
+        import torch
+
+        self.expected.add(name)
+        p, cfg, dt = self.p, self.cfg, self.dt
+        if name not in self.tensors:
             p.add("config.json", f"{name}: absent from the weights {_dims_note(shape, cfg)}")
             return
-        rel, t = tensors[name]
+        rel, t = self.tensors[name]
         if t.shape != shape:
             p.add(rel, f"{name}: shape {list(t.shape)} != expected {list(shape)} "
                        f"{_dims_note(shape, cfg)} from config.json")  # fmt: skip
@@ -199,78 +225,86 @@ def _check_model(root, config, qc, model, headers, tensors: Tensors, p: Problems
         if dt and norm_or_emb and t.dtype in FLOAT_DTYPES and t.dtype != dt.safetensors:
             p.add(rel, f"{name}: dtype {t.dtype} != config.json dtype {dt.name}")
 
-    for name, mod in mods.items():
+    def module(self, name: str, mod: Any) -> None:
+        import torch
+
         if isinstance(mod, torch.nn.Linear):
-            hits = [
-                (g, spec)
-                for g, spec in groups.items()
-                if isinstance(spec, dict) and matches(name, mod, spec.get("targets") or [], ignore)
-            ]
-            if len(hits) > 1:
-                p.add("config.json", f"{name} is matched by {len(hits)} config groups "
-                                     f"({[h[0] for h in hits]}); one at most")  # fmt: skip
-            if hits and isinstance(hits[0][1].get("weights"), dict):
-                gname, spec = hits[0]
-                packed = (spec.get("format") or qc.get("format")) == "pack-quantized"
-                shape = (mod.out_features, mod.in_features)
-                if packed:
-                    expected.update(f"{name}.{q}" for q in QUANT_PARAMS)
-                    errs = check_packed(root, name, spec["weights"], tensors, headers, shape)
-                else:
-                    expected.update(f"{name}.{q}" for q in UNPACKED_PARAMS)
-                    errs = check_unpacked(name, spec, tensors, shape)
-                if errs:
-                    p.add(_file_of(tensors, name), f"{name}: [{gname}] " + "; ".join(errs))
-                schemes[name] = _scheme(spec["weights"], spec.get("input_activations"))
-                if packed and f"{name}.weight" in tensors:
-                    p.add(_file_of(tensors, name), f"{name} is claimed by config group {gname} "
-                                                   "but stored dense")  # fmt: skip
-            else:
-                schemes[name] = None
-                if f"{name}.weight_packed" in tensors:
-                    where = (
-                        "listed in quantization_config.ignore"
-                        if any(matches(name, mod, [i]) for i in ignore)
-                        else "no quantization_config group targets it"
-                    )
-                    p.add(_file_of(tensors, name), f"{name} is stored quantized but {where}")
-                elif name != tied_head:
-                    need(f"{name}.weight", (mod.out_features, mod.in_features), mod)
-                if f"{name}.weight_scale" in tensors:
-                    expected.add(f"{name}.weight_scale")
-                    p.add(
-                        _file_of(tensors, name), f"{name} has a weight_scale but is not quantized"
-                    )
-            if mod.bias is not None:
-                need(f"{name}.bias", tuple(mod.bias.shape), mod)
-            continue
+            self.linear(name, mod)
+            return
         for pname, _ in mod.named_parameters(recurse=False):
             key = f"{name}.{pname}" if name else pname
-            need(key, shapes[key], mod)
+            self.need(key, self.shapes[key], mod)
         for bname, _ in mod.named_buffers(recurse=False, remove_duplicate=False):
             key = f"{name}.{bname}" if name else bname
-            if key in shapes:  # persistent buffers only
-                need(key, shapes[key], mod)
+            if key in self.shapes:  # persistent buffers only
+                self.need(key, self.shapes[key], mod)
 
-    kv = isinstance(qc.get("kv_cache_scheme"), dict)
-    attention = sorted({n.rsplit(".", 1)[0] for n in mods if n.endswith((".k_proj", ".qkv_proj"))})
-    query = attention and _attention_group(qc, type(model.get_submodule(attention[0])).__name__)
-    # q_scale and the zero points belong to attention quantization alone
-    allowed = (*KV_SCALES, *ATTN_TENSORS) if query else KV_SCALES
-    required = (*KV_SCALES, "q_scale") if query else KV_SCALES
-    for attn in attention:
-        expected.update(f"{attn}.{s}" for s in allowed)
-        for s in required:
-            if (kv or query) and f"{attn}.{s}" not in tensors:
-                p.add("config.json", f"{'attention' if query else 'kv_cache_scheme'} "
-                                     f"quantization set but {attn}.{s} is absent")  # fmt: skip
-    for msg in split_fused(schemes):  # a checkpoint written elsewhere, or before the rule
-        p.add("config.json", msg)
-    check_scale_values(root, tensors, headers, p)
-    check_layers(cfg, tensors, p)
-    for name in sorted(set(tensors) - expected):
-        p.add(tensors[name][0], f"{name}: not a tensor of {type(model).__name__}")
-    return schemes, kv
+    def linear(self, name: str, mod: Any) -> None:
+        hits = [
+            (g, spec)
+            for g, spec in self.groups.items()
+            if isinstance(spec, dict) and matches(name, mod, spec.get("targets") or [], self.ignore)
+        ]
+        if len(hits) > 1:
+            self.p.add("config.json", f"{name} is matched by {len(hits)} config groups "
+                                      f"({[h[0] for h in hits]}); one at most")  # fmt: skip
+        if hits and isinstance(hits[0][1].get("weights"), dict):
+            self.quantized_linear(name, mod, *hits[0])
+        else:
+            self.dense_linear(name, mod)
+        if mod.bias is not None:
+            self.need(f"{name}.bias", tuple(mod.bias.shape), mod)
+
+    def quantized_linear(self, name: str, mod: Any, gname: str, spec: dict) -> None:
+        tensors = self.tensors
+        packed = (spec.get("format") or self.qc.get("format")) == "pack-quantized"
+        shape = (mod.out_features, mod.in_features)
+        if packed:
+            self.expected.update(f"{name}.{q}" for q in QUANT_PARAMS)
+            errs = check_packed(self.root, name, spec["weights"], tensors, self.headers, shape)
+        else:
+            self.expected.update(f"{name}.{q}" for q in UNPACKED_PARAMS)
+            errs = check_unpacked(name, spec, tensors, shape)
+        if errs:
+            self.p.add(_file_of(tensors, name), f"{name}: [{gname}] " + "; ".join(errs))
+        self.schemes[name] = _scheme(spec["weights"], spec.get("input_activations"))
+        if packed and f"{name}.weight" in tensors:
+            self.p.add(_file_of(tensors, name), f"{name} is claimed by config group {gname} "
+                                                "but stored dense")  # fmt: skip
+
+    def dense_linear(self, name: str, mod: Any) -> None:
+        tensors = self.tensors
+        self.schemes[name] = None
+        if f"{name}.weight_packed" in tensors:
+            where = (
+                "listed in quantization_config.ignore"
+                if any(matches(name, mod, [i]) for i in self.ignore)
+                else "no quantization_config group targets it"
+            )
+            self.p.add(_file_of(tensors, name), f"{name} is stored quantized but {where}")
+        elif name != self.tied_head:
+            self.need(f"{name}.weight", (mod.out_features, mod.in_features), mod)
+        if f"{name}.weight_scale" in tensors:
+            self.expected.add(f"{name}.weight_scale")
+            self.p.add(_file_of(tensors, name), f"{name} has a weight_scale but is not quantized")
+
+    def attention(self, model: Any, mods: dict[str, Any], kv: bool) -> None:
+        """The KV-cache (and attention) scales each attention module must store."""
+        attention = sorted(
+            {n.rsplit(".", 1)[0] for n in mods if n.endswith((".k_proj", ".qkv_proj"))}
+        )
+        query = attention and _attention_group(
+            self.qc, type(model.get_submodule(attention[0])).__name__
+        )
+        # q_scale and the zero points belong to attention quantization alone
+        allowed = (*KV_SCALES, *ATTN_TENSORS) if query else KV_SCALES
+        required = (*KV_SCALES, "q_scale") if query else KV_SCALES
+        for attn in attention:
+            self.expected.update(f"{attn}.{s}" for s in allowed)
+            for s in required:
+                if (kv or query) and f"{attn}.{s}" not in self.tensors:
+                    self.p.add("config.json", f"{'attention' if query else 'kv_cache_scheme'} "
+                                              f"quantization set but {attn}.{s} is absent")  # fmt: skip
 
 
 def _attention_group(qc: dict, attention_class: str) -> bool:

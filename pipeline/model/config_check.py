@@ -9,8 +9,9 @@ import re
 from pathlib import Path
 
 from ..errors import IntegrityError
-from ..io.problems import Problems, read_json_object
+from ..io.problems import Problems
 from .checkpoint import check_layers, read_headers, stored_tensors, text_config
+from .files import collect_config_json
 
 # Far above any causal LM there is (the largest vocabularies are ~260k, the deepest models
 # ~120 layers): a config beyond these describes no real model and would make transformers
@@ -41,7 +42,7 @@ def check_source_weights(root: Path) -> None:
     root = Path(root)
     p = Problems(root, hint="config.json does not describe these weights: the checkpoint "
                  "is corrupt or altered; fetch it again from a trusted source")  # fmt: skip
-    config = read_json_object(root / "config.json", p, "config.json")
+    config = collect_config_json(root, p)
     p.raise_if_any("config check")
     assert config is not None
     check_config_bounds(config, where=str(root / "config.json"))

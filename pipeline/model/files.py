@@ -1,4 +1,5 @@
-"""Which files make a Hugging Face checkpoint, and the one formula for a model's identity.
+"""Which files make a Hugging Face checkpoint, the one reader of its config.json, and the
+one formula for a model's identity.
 
 `model_hash` is the sha256 of the SHA256SUMS text of the model files (config, generation
 config, tokenizer, weights): fetch records it for the snapshot, quantize for its
@@ -10,10 +11,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from ..errors import UsageError
 from ..io.hashing import FileDigest, hash_files, list_files
+from ..io.problems import Problems, read_json_object
 
-CONFIG_FILES = ("config.json", "generation_config.json")
+CONFIG = "config.json"
+CONFIG_FILES = (CONFIG, "generation_config.json")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -55,3 +60,32 @@ def hash_model_dir(path: Path) -> tuple[dict[str, FileDigest], str]:
     """(digests of the model files in `path`, model_hash) -- for a folder no stage recorded."""
     files = hash_files(Path(path), [r for r in list_files(Path(path)) if is_model_file(r)])
     return files, model_hash(files)
+
+
+def require_config_file(folder: Path) -> Path:
+    """`folder`/config.json; exit 2 when there is none (not a checkpoint folder)."""
+    path = Path(folder) / CONFIG
+    if not path.is_file():
+        raise UsageError(
+            f"{folder} is not a checkpoint directory (no config.json)",
+            path=str(folder),
+            hint="pass a folder with config.json and *.safetensors (e.g. written by qship fetch)",
+        )
+    return path
+
+
+def collect_config_json(folder: Path, problems: Problems) -> dict[str, Any] | None:
+    """The checkpoint's config.json as a dict, or None with the reason in `problems` (for a
+    check that lists every problem before it fails)."""
+    return read_json_object(Path(folder) / CONFIG, problems, CONFIG)
+
+
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict: exit 2 when the folder has none, exit 3 when
+    it is not a JSON object (or over io.problems.MAX_JSON_BYTES)."""
+    require_config_file(folder)
+    p = Problems(Path(folder), hint="config.json is corrupt: fetch or quantize the model again")
+    config = collect_config_json(folder, p)
+    p.raise_if_any("config.json check")
+    assert config is not None
+    return config

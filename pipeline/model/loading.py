@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..compat.compressed_tensors_0_19 import offload_caches
-from ..errors import UsageError
+from ..errors import QshipError, UsageError
 from .devices import device_kind
+from .files import read_config_json, require_config_file
 from .moe import linearize, linearize_meta, loading_linear_experts
 
 
 def _require_checkpoint(path: Path) -> Path:
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise UsageError(
-            f"{path} is not a checkpoint directory (no config.json)",
-            path=str(path),
-            hint="pass a folder with config.json and *.safetensors (e.g. written by qship fetch)",
-        )
-    return path
+    require_config_file(Path(path))
+    return Path(path)
 
 
 OFFLOAD_MODES = ("none", "cpu", "disk")
@@ -116,8 +110,8 @@ def _dequantized(path: Path) -> dict[str, Any]:
     Linear has its dense `weight` before any forward (transformers 5.17's default leaves
     them packed until the first forward, which qship's served numerics cannot wait for)."""
     try:
-        qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError):
+        qc = read_config_json(path).get("quantization_config") or {}
+    except QshipError:  # not readable: transformers' own load names the problem
         return {}
     if qc.get("quant_method") != "compressed-tensors":
         return {}

@@ -28,6 +28,8 @@ from typing import Any
 
 from ..compat.llmcompressor_0_14 import save_mapping_set_on_loaded_model
 from ..compat.transformers_5 import conversion_mapping_restored
+from ..errors import QshipError
+from .files import read_config_json
 
 
 def fused_experts(model: Any) -> list[tuple[str, Any]]:
@@ -93,8 +95,8 @@ def family_reads_per_expert(model_type: str | None) -> bool:
 
 def _model_type(path: Path) -> str | None:
     try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
+        return read_config_json(Path(path)).get("model_type")
+    except QshipError:  # no readable config: no family to map
         return None
 
 
