@@ -45,6 +45,15 @@ def compare_cmd(
             "--perf-raw", help="Keep each benchmark pass's raw JSON here (default: OUT/perf-raw)."
         ),
     ] = None,  # fmt: skip
+    baseline: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--baseline",
+            help="Also a row without a recipe, the model loaded with a transformers "
+            "quantization config: bnb-nf4, bnb-int8 (repeatable; needs bitsandbytes, "
+            "`pip install 'qship[bnb]'`; not servable by vLLM's fast kernels).",
+        ),
+    ] = None,  # fmt: skip
     device: DeviceOpt = None,
     checksums: ChecksumsOpt = None,
     cache_dir: CacheOpt = None,
@@ -67,7 +76,7 @@ def compare_cmd(
                              path="--serve", hint="use --serve vllm")  # fmt: skip
         res = cmp.compare(model, paths, out, cache_dir=cache_root(cache_dir), device=device,
                           exact=exact, checksums_dir=checksums, serve=serve,
-                          perf_raw=perf_raw)  # fmt: skip
+                          perf_raw=perf_raw, baselines=baseline)  # fmt: skip
     return res.require_pass()
 
 

@@ -20,8 +20,9 @@ from ..errors import GateFailed, UsageError
 from ..io.pins import checksums_dir as pin_folder
 from ..records.base import Record
 from ..records.evaluation import EvalFile
+from . import baseline
 from .output import REPORT_FILES, write_report
-from .rows import EVAL_FILE, row_from_file
+from .rows import EVAL_FILE, row_from_file, unavailable_row
 
 REPORT_SUFFIX = ".report"  # `qship run --out X` writes the artifact X and its report X.report
 
@@ -195,8 +196,12 @@ def compare(
     checksums_dir: Path | None = None,
     serve: str | None = None,
     perf_raw: Path | None = None,
+    baselines: list[str] | None = None,
 ) -> CompareResult:
     """Quantize, evaluate and gate every recipe on one model; write the report to `out`.
+    `baselines` (baseline.BASELINES: bnb-nf4, bnb-int8): rows without a recipe, measured by
+    the same evaluator on the first recipe's held-out tokens (the same for every recipe);
+    without bitsandbytes each says why instead.
     `serve="vllm"`: each recipe also served (its served check) and its served speed and
     memory measured beside the 16-bit model (the reference measured once).
 
@@ -210,6 +215,8 @@ def compare(
 
     out = Path(out)
     loaded = [load_recipe(p) for p in recipes]
+    for b in baselines or []:
+        baseline.get(b)  # an unknown name is exit 2 before any compute
     matrix(list(recipes))  # unique names, before any compute
     ctx = runner.Context(Path(cache_dir), device=device, exact_kl=exact,
                          checksums_dir=pin_folder(checksums_dir), perf=serve is not None,
@@ -230,7 +237,13 @@ def compare(
         ev = EvalFile.of(report, verdict=verdict, quantize=qc.brief(Path(path).as_posix()))
         write_outputs(ev, rdir)
         files.append(rdir / EVAL_FILE)
+    first = loaded[0]
+    why = baseline.unavailable()
+    missing = [unavailable_row(b, why) for b in baselines or []] if why else []
+    for b in [] if why else baselines or []:
+        ev = baseline.measure(b, snap, first, tokens[first.name], evdata[first.name], ctx)
+        write_outputs(ev, out / "baselines" / b)
+        files.append(out / "baselines" / b / EVAL_FILE)
     rows = [row_from_file(f) for f in files]
-    return _result(
-        out, rows, {row["name"]: str(f.parent) for row, f in zip(rows, files, strict=True)}
-    )
+    sources = {row["name"]: str(f.parent) for row, f in zip(rows, files, strict=True)}
+    return _result(out, rows + missing, sources)
