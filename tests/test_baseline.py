@@ -46,7 +46,8 @@ def compared(tmp_path_factory, tiny_gemma, two_threads) -> dict:
 
     ids = runner.tokens_stage(snap, load_recipe(recipe), ctx).heldout_ids
     report = json.loads((work / "report" / "compare.json").read_text())
-    return {"res": res, "report": report, "ids": ids, "out": work / "report"}
+    return {"res": res, "report": report, "ids": ids, "out": work / "report", "recipe": recipe,
+            "cache": work / "cache"}  # fmt: skip
 
 
 def _direct_nf4(model: Path, ids: torch.Tensor) -> dict[str, float]:
@@ -101,6 +102,24 @@ def test_collect_keeps_the_baseline_row(compared, tmp_path):
     again = json.loads((tmp_path / "compare.json").read_text())
     assert res.recipes == ["bnb-nf4", "tiny-rtn"]
     assert again["rows"] == compared["report"]["rows"]
+
+
+def test_matrix_job_measures_only_the_baseline(compared, tiny_gemma, tmp_path):
+    """The CI path: `--matrix --baseline` lists a job that `--baselines-only` runs, whose
+    eval.json holds the same row (the baseline entry and the evaluation from the cache)."""
+    from pipeline.compare.compare import compare, matrix
+
+    recipe = compared["recipe"]
+    jobs = matrix([recipe], baselines=["bnb-nf4"])["include"]
+    assert jobs[-1] == {"recipe": recipe.as_posix(), "name": "bnb-nf4", "baseline": "bnb-nf4"}
+    res = compare(tiny_gemma, [recipe], tmp_path, cache_dir=compared["cache"], device="cpu",
+                  exact=True, baselines=["bnb-nf4"], baselines_only=True)  # fmt: skip
+    assert res.recipes == ["bnb-nf4"] and not (tmp_path / "recipes").exists()
+    got = json.loads((tmp_path / "compare.json").read_text())["rows"]
+    want = [r for r in compared["report"]["rows"] if r["name"] == "bnb-nf4"]
+    assert got == want
+    with pytest.raises(UsageError):
+        matrix([recipe], baselines=["bnb-nf4", "bnb-nf4"])
 
 
 def test_absent_bitsandbytes_row_says_why(monkeypatch, tmp_path):

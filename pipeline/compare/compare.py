@@ -47,12 +47,16 @@ def recipe_paths(recipes: list[Path] | None, recipes_dir: Path | None = None) ->
     return found
 
 
-def matrix(recipes: list[Path] | None, *, device: str | None = None) -> dict:
+def matrix(
+    recipes: list[Path] | None, *, device: str | None = None, baselines: list[str] | None = None
+) -> dict:
     """{"include": [{"recipe": path, "name": recipe name}, ...]} for `fromJSON` in a
     workflow. Every recipe is loaded (an invalid one fails here, exit 2, before any job
     starts) and names must be unique, as they name the jobs' artifacts. Without recipes:
     every shipped recipe the runner's device can afford (AutoRound only with --device
-    cuda)."""
+    cuda). Each baseline is one more job, {"recipe": the first recipe (its held-out
+    tokens and evaluation), "name": baseline, "baseline": baseline}, for `qship compare
+    --baselines-only`."""
     from ..recipe import load_recipe
 
     include = []
@@ -70,6 +74,17 @@ def matrix(recipes: list[Path] | None, *, device: str | None = None) -> dict:
             )
         seen[r.name] = str(p)
         include.append({"recipe": p.as_posix(), "name": r.name})
+    for b in baselines or []:
+        baseline.get(b)
+        if not include:
+            raise UsageError(f"baseline {b} is measured on a recipe's held-out tokens, and "
+                             "there is no recipe", path="--baseline",
+                             hint="pass at least one recipe beside --baseline")  # fmt: skip
+        if b in seen:
+            raise UsageError(f"{b} is named twice ({seen[b]})", path="--baseline",
+                             hint="name each baseline once; no recipe may take its name")  # fmt: skip
+        seen[b] = b
+        include.append({"recipe": include[0]["recipe"], "name": b, "baseline": b})
     return {"include": include}
 
 
@@ -197,11 +212,13 @@ def compare(
     serve: str | None = None,
     perf_raw: Path | None = None,
     baselines: list[str] | None = None,
+    baselines_only: bool = False,
 ) -> CompareResult:
     """Quantize, evaluate and gate every recipe on one model; write the report to `out`.
     `baselines` (baseline.BASELINES: bnb-nf4, bnb-int8): rows without a recipe, measured by
     the same evaluator on the first recipe's held-out tokens (the same for every recipe);
-    without bitsandbytes each says why instead.
+    without bitsandbytes each says why instead. `baselines_only`: the recipes give their
+    held-out tokens and evaluation settings only (a CI matrix job for a baseline).
     `serve="vllm"`: each recipe also served (its served check) and its served speed and
     memory measured beside the 16-bit model (the reference measured once).
 
@@ -230,7 +247,7 @@ def compare(
     evdata = {r.name: runner.eval_data_stage(snap, r, tokens[r.name], ctx) for r in loaded}
 
     files: list[Path] = []
-    for path, r in zip(recipes, loaded, strict=True):
+    for path, r in [] if baselines_only else zip(recipes, loaded, strict=True):
         ts = tokens[r.name]
         qc, _key, report, verdict = runner.measure(snap, r, ts, evdata[r.name], ctx)
         rdir = out / "recipes" / r.name
