@@ -18,12 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..data.tokens import TokenSets
 from ..errors import StageError, UsageError
 from ..io.cache import stage_key
 from ..model.devices import default_device, device_kind
 from ..model.files import CONFIG_FILES, TOKENIZER_FILES, hash_model_dir
+from ..recipe import Recipe
 from ..records.checkpoint import QuantizeSummary
 from ..records.evaluation import EvalFile, ModelRef
+from ..records.snapshot import Snapshot
+from ..runner.stages import Context, EvalData, evaluate_stage
 
 STAGE = "baseline"
 MODEL = "model"  # the saved baseline's folder inside its cache entry
@@ -93,9 +97,9 @@ def unavailable() -> str | None:
     return None
 
 
-def _stored_bits(model: Any) -> tuple[float, int]:
-    """(stored bits per quantized weight, quantized Linears): every tensor bitsandbytes saves
-    for a quantized weight (packed codes, absmax, nested absmax, code book, quant state)."""
+def _stored_bits(model: Any) -> float:
+    """Stored bits per quantized weight: every tensor bitsandbytes saves for a quantized
+    weight (packed codes, absmax, nested absmax, code book, quant state; int8's row scales)."""
     import bitsandbytes as bnb
 
     kinds = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
@@ -111,7 +115,7 @@ def _stored_bits(model: Any) -> tuple[float, int]:
         raise StageError("the bitsandbytes config quantized no Linear module",
                          path=STAGE, hint="check the bitsandbytes / transformers versions "
                          "against constraints.txt")  # fmt: skip
-    return 8 * stored / weights, len(mods)
+    return 8 * stored / weights
 
 
 def _peak(device: str) -> tuple[int, Any]:
@@ -132,7 +136,7 @@ def build(source: Path, baseline: Baseline, out: Path, *, device: str, key: str)
     model = AutoModelForCausalLM.from_pretrained(
         str(source), quantization_config=baseline.config(), dtype="auto", **on
     )
-    bits, _ = _stored_bits(model)
+    bits = _stored_bits(model)
     model.save_pretrained(out)
     for f in (*TOKENIZER_FILES, *CONFIG_FILES[1:]):
         if (source / f).is_file():
@@ -153,11 +157,11 @@ def key(model_hash: str, baseline: Baseline, device: str) -> str:
     })  # fmt: skip
 
 
-def measure(name: str, snap: Any, recipe: Any, tokens: Any, evdata: Any, ctx: Any) -> EvalFile:
+def measure(
+    name: str, snap: Snapshot, recipe: Recipe, tokens: TokenSets, evdata: EvalData, ctx: Context
+) -> EvalFile:
     """The baseline `name` built (or taken from the cache) and evaluated by the runner's
     evaluate stage with `recipe`'s evaluation settings: its eval.json, without a verdict."""
-    from .. import runner
-
     b = get(name)
     device = ctx.device or default_device()
     k = key(snap.model_hash, b, device)
@@ -173,5 +177,5 @@ def measure(name: str, snap: Any, recipe: Any, tokens: Any, evdata: Any, ctx: An
         line.cached = entry.hit
     folder = entry.path / MODEL
     cand = ModelRef(path=folder, model_hash=hash_model_dir(folder)[1])
-    report = runner.evaluate_stage(snap, cand, k, recipe, tokens, evdata, ctx)
+    report = evaluate_stage(snap, cand, k, recipe, tokens, evdata, ctx)
     return EvalFile.of(report, quantize=summary)
