@@ -54,6 +54,23 @@ def compare_cmd(
             "--perf-raw", help="Keep each benchmark pass's raw JSON here (default: OUT/perf-raw)."
         ),
     ] = None,  # fmt: skip
+    baseline: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--baseline",
+            help="Also a row without a recipe, the model loaded with a transformers "
+            "quantization config: bnb-nf4, bnb-int8 (repeatable; needs bitsandbytes, "
+            "`pip install 'qship[bnb]'`; not servable by vLLM's fast kernels).",
+        ),
+    ] = None,  # fmt: skip
+    baselines_only: Annotated[
+        bool,
+        typer.Option(
+            "--baselines-only",
+            help="Measure only the --baseline rows, on the recipes' held-out tokens "
+            "(a CI matrix job; --matrix --baseline lists one).",
+        ),
+    ] = False,
     device: PaperDeviceOpt = None,  # --matrix only names it; a comparison needs it here
     checksums: ChecksumsOpt = None,
     cache_dir: CacheOpt = None,
@@ -65,7 +82,9 @@ def compare_cmd(
     from ..model.devices import check_device
 
     if matrix:
-        return OneLineJson(cmp.matrix((recipes or []) + (items or []), device=device))
+        return OneLineJson(
+            cmp.matrix((recipes or []) + (items or []), device=device, baselines=baseline)
+        )
     if collect:
         res = cmp.collect(collect + (items or []), out)
     else:
@@ -78,8 +97,9 @@ def compare_cmd(
                              path="--serve", hint="use --serve vllm")  # fmt: skip
         res = cmp.compare(model, paths, out, cache_dir=cache_root(cache_dir), device=device,
                           exact=exact, checksums_dir=checksums, serve=serve,
-                          perf_raw=perf_raw)  # fmt: skip
-    return res.require_pass()
+                          perf_raw=perf_raw, baselines=baseline,
+                          baselines_only=baselines_only)  # fmt: skip
+    return res if baselines_only else res.require_pass()
 
 
 def sensitivity_cmd(

@@ -20,9 +20,10 @@ from ..errors import GateFailed, UsageError
 from ..io.pins import checksums_dir as pin_folder
 from ..records.base import Record
 from ..records.evaluation import EvalFile
+from . import baseline
 from .output import REPORT_FILES, write_report
 from .report import SUPPORT_HEADROOM
-from .rows import EVAL_FILE, row_from_file
+from .rows import EVAL_FILE, row_from_file, unavailable_row
 
 REPORT_SUFFIX = ".report"  # `qship run --out X` writes the artifact X and its report X.report
 
@@ -47,12 +48,16 @@ def recipe_paths(recipes: list[Path] | None, recipes_dir: Path | None = None) ->
     return found
 
 
-def matrix(recipes: list[Path] | None, *, device: str | None = None) -> dict:
+def matrix(
+    recipes: list[Path] | None, *, device: str | None = None, baselines: list[str] | None = None
+) -> dict:
     """{"include": [{"recipe": path, "name": recipe name}, ...]} for `fromJSON` in a
     workflow. Every recipe is loaded (an invalid one fails here, exit 2, before any job
     starts) and names must be unique, as they name the jobs' artifacts. Without recipes:
     every shipped recipe the runner's device can afford (AutoRound only with --device
-    cuda)."""
+    cuda). Each baseline is one more job, {"recipe": the first recipe (its held-out
+    tokens and evaluation), "name": baseline, "baseline": baseline}, for `qship compare
+    --baselines-only`."""
     from ..recipe import load_recipe
 
     include = []
@@ -70,6 +75,17 @@ def matrix(recipes: list[Path] | None, *, device: str | None = None) -> dict:
             )
         seen[r.name] = str(p)
         include.append({"recipe": p.as_posix(), "name": r.name})
+    for b in baselines or []:
+        baseline.get(b)
+        if not include:
+            raise UsageError(f"baseline {b} is measured on a recipe's held-out tokens, and "
+                             "there is no recipe", path="--baseline",
+                             hint="pass at least one recipe beside --baseline")  # fmt: skip
+        if b in seen:
+            raise UsageError(f"{b} is named twice ({seen[b]})", path="--baseline",
+                             hint="name each baseline once; no recipe may take its name")  # fmt: skip
+        seen[b] = b
+        include.append({"recipe": include[0]["recipe"], "name": b, "baseline": b})
     return {"include": include}
 
 
@@ -205,8 +221,14 @@ def compare(
     checksums_dir: Path | None = None,
     serve: str | None = None,
     perf_raw: Path | None = None,
+    baselines: list[str] | None = None,
+    baselines_only: bool = False,
 ) -> CompareResult:
     """Quantize, evaluate and gate every recipe on one model; write the report to `out`.
+    `baselines` (baseline.BASELINES: bnb-nf4, bnb-int8): rows without a recipe, measured by
+    the same evaluator on the first recipe's held-out tokens (the same for every recipe);
+    without bitsandbytes each says why instead. `baselines_only`: the recipes give their
+    held-out tokens and evaluation settings only (a CI matrix job for a baseline).
     `serve="vllm"`: each recipe also served (its served check) and its served speed and
     memory measured beside the 16-bit model (the reference measured once).
 
@@ -220,6 +242,8 @@ def compare(
 
     out = Path(out)
     loaded = [load_recipe(p) for p in recipes]
+    for b in baselines or []:
+        baseline.get(b)  # an unknown name is exit 2 before any compute
     matrix(list(recipes))  # unique names, before any compute
     ctx = runner.Context(Path(cache_dir), device=device, exact_kl=exact,
                          checksums_dir=pin_folder(checksums_dir), perf=serve is not None,
@@ -233,14 +257,20 @@ def compare(
     evdata = {r.name: runner.eval_data_stage(snap, r, tokens[r.name], ctx) for r in loaded}
 
     files: list[Path] = []
-    for path, r in zip(recipes, loaded, strict=True):
+    for path, r in [] if baselines_only else zip(recipes, loaded, strict=True):
         ts = tokens[r.name]
         qc, _key, report, verdict = runner.measure(snap, r, ts, evdata[r.name], ctx)
         rdir = out / "recipes" / r.name
         ev = EvalFile.of(report, verdict=verdict, quantize=qc.brief(Path(path).as_posix()))
         write_outputs(ev, rdir)
         files.append(rdir / EVAL_FILE)
+    first = loaded[0]
+    why = baseline.unavailable()
+    missing = [unavailable_row(b, why) for b in baselines or []] if why else []
+    for b in [] if why else baselines or []:
+        ev = baseline.measure(b, snap, first, tokens[first.name], evdata[first.name], ctx)
+        write_outputs(ev, out / "baselines" / b)
+        files.append(out / "baselines" / b / EVAL_FILE)
     rows = [row_from_file(f) for f in files]
-    return _result(
-        out, rows, {row["name"]: str(f.parent) for row, f in zip(rows, files, strict=True)}
-    )
+    sources = {row["name"]: str(f.parent) for row, f in zip(rows, files, strict=True)}
+    return _result(out, rows + missing, sources)

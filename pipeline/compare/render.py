@@ -42,8 +42,10 @@ PEAK_RSS_NOTE = (
 
 def notes(rows: list[dict]) -> list[str]:
     return (
-        [PEAK_RSS_NOTE] if any(r.get("peak_mem_kind") == "process_peak_rss" for r in rows) else []
-    ) + served_notes(rows)
+        ([PEAK_RSS_NOTE] if any(r.get("peak_mem_kind") == "process_peak_rss" for r in rows) else [])
+        + [f"{r['name']}: {r['baseline']}." for r in rows if r.get("baseline")]
+        + served_notes(rows)
+    )
 
 
 def served_notes(rows: list[dict]) -> list[str]:

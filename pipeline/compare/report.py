@@ -31,6 +31,9 @@ Row schema (one per recipe; every figure may be None when the stage did not repo
     kl_hist          {"edges": [...], "counts": [...], "zero": n} per-token KL histogram on
                      the fixed log bins KL_HIST_EDGES (None when no per-token values exist)
     source           where the row came from (eval.json path), informative only
+    baseline         a row without a recipe (compare/baseline.py: bitsandbytes NF4, int8):
+                     what it is, not servable by vLLM's fast kernels, or why it was not
+                     measured here; None for a recipe. It has no gate: never recommended
     refused          why today's rules refuse this recipe (e.g. its plan splits a fused
                      set vLLM loads as one layer), or None: a refused row is shown, never
                      recommended
@@ -210,6 +213,7 @@ def recommendation(report: dict) -> str:
     if refused:
         text += (" Not to ship, whatever their figures: " + "; ".join(
             f"{n} ({by_name[n]['refused']})" for n in refused) + ".")  # fmt: skip
+    text += baseline_words(report["rows"])
     if picks:
         text += " Shipped winners here: " + "; ".join(picks) + "."
     text += speed_words(report)
@@ -217,6 +221,21 @@ def recommendation(report: dict) -> str:
         text += (" For the least KL within a bit budget on this model: `qship tune --recipe "
                  "recipes/gptq-w4a-mse.yaml --max-bits 4.25 --write-recipe R.yaml`.")  # fmt: skip
     return text
+
+
+def baseline_words(rows: list[dict]) -> str:
+    """What the team would get without qship: each baseline's mean KL and bits, or why it
+    was not measured; baselines are not servable by vLLM's fast kernels, so never picked."""
+    said = []
+    for r in rows:
+        if not r.get("baseline"):
+            continue
+        if r.get("kl_mean") is None:
+            said.append(f"{r['name']} {r['baseline']}")
+        else:
+            said.append(f"{r['name']} ({r['bits_per_weight']:.3f} bits/weight, mean KL "
+                        f"{r['kl_mean']:.3g}; not servable by vLLM's fast kernels)")  # fmt: skip
+    return (" Without qship (baselines, no gate): " + "; ".join(said) + ".") if said else ""
 
 
 def task_names(rows: list[dict]) -> list[str]:

@@ -48,8 +48,16 @@ def row(ev: EvalFile, *, name: str | None = None, recipe: str | None = None) -> 
         **speed_fields(ev),
         "source": None,
         "refused": None,
+        "baseline": q.baseline if q else None,
     }
     return out
+
+
+def unavailable_row(name: str, why: str) -> dict[str, Any]:
+    """A baseline's row where it could not run (bitsandbytes absent): no figures, the reason."""
+    return {"name": name, "recipe": None, "passed": None, "checks": [], "tasks": {},
+            "task_ci": {}, "kernels": {}, "serve_warnings": [], "refused": None,
+            "baseline": why}  # fmt: skip
 
 
 def speed_fields(ev: EvalFile) -> dict[str, Any]:

@@ -135,6 +135,9 @@ class QuantizeSummary(Record):
     served_rounding_modules: int = 0
     """W4A8 Linears whose int4 values were chosen for vLLM's CUTLASS W4A8 kernel
     (QuantizedCheckpoint.served_rounding_modules)."""
+    baseline: str | None = None
+    """A baseline row (no recipe: the reference loaded with a transformers quantization
+    config, compare/baseline.py): what it is and why vLLM's fast kernels do not serve it."""
 
 
 class QuantizedCheckpoint(Record):

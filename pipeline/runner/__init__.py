@@ -33,7 +33,7 @@ from ..io.pins import checksums_dir as pin_folder
 from ..recipe import Recipe, load_recipe
 from ..records.artifact import Provenance
 from ..records.checkpoint import QuantizedCheckpoint
-from ..records.evaluation import EvalFile, EvalReport
+from ..records.evaluation import EvalFile, EvalReport, ModelRef
 from ..records.run import ErrorInfo, RunRecord
 from ..records.snapshot import Snapshot
 from ..records.verdict import Verdict
@@ -252,7 +252,8 @@ def measure(
     """quantize → evaluate → (serve) → gate: one recipe measured on a fetched model, the
     chain `qship run` and `qship compare` share."""
     qc, qkey = quantize_stage(snap, recipe, tokens, ctx, layers=layers)
-    report = evaluate_stage(snap, qc, qkey, recipe, tokens, evdata, ctx)
+    cand = ModelRef(path=qc.path, model_hash=qc.model_hash)
+    report = evaluate_stage(snap, cand, qkey, recipe, tokens, evdata, ctx)
     report = serve_stage(qc, report, recipe, ctx, reference=snap.path)
     return qc, qkey, report, gate_stage(report, recipe, ctx)
 

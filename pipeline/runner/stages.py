@@ -292,7 +292,7 @@ def evaluate_key(snapshot: Snapshot, qkey: str, recipe: Recipe, tokens: TokenSet
 
 
 def evaluate_stage(
-    snapshot: Snapshot, qc: QuantizedCheckpoint, qkey: str, recipe: Recipe,
+    snapshot: Snapshot, candidate: ModelRef, qkey: str, recipe: Recipe,
     tokens: TokenSets, evdata: EvalData, ctx: Context,
 ) -> EvalReport:  # fmt: skip
     from ..evaluate import evaluate
@@ -303,7 +303,7 @@ def evaluate_stage(
     def build(tmp: Path) -> dict[str, Any]:
         rep = evaluate(
             ModelRef(path=snapshot.path, model_hash=snapshot.model_hash),
-            ModelRef(path=qc.path, model_hash=qc.model_hash),
+            candidate,
             heldout_ids=tokens.heldout_ids, cache_dir=ctx.cache_dir,
             options=EvalOptions.of(ev, device=ctx.device, offload=ctx.offload,
                                    exact=ctx.exact_kl),
