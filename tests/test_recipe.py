@@ -409,3 +409,74 @@ def test_cli_usage_errors_exit_2(capsys):
     assert rc == 2 and err["error"] == "MissingParameter" and "--recipe" in err["message"]
     rc, err = qship(capsys, "run", "--no-such-option")
     assert rc == 2, err
+
+
+# --- the method table ------------------------------------------------------------------
+
+
+def test_every_method_has_a_group_class_and_a_rounding():
+    """One table per layer, and they agree: the recipe's groups (recipe/methods.py), how
+    quantize rounds each (quantize/methods.py) and the plan record's method names."""
+    import typing
+
+    from pipeline.quantize.methods import ROUNDING
+    from pipeline.recipe import METHODS, Group, Method
+    from pipeline.records.plan import Method as PlanMethod
+
+    names = set(typing.get_args(Method))
+    assert set(METHODS) == set(ROUNDING) == names == set(typing.get_args(PlanMethod))
+    union = typing.get_args(typing.get_args(Group)[0])
+    assert {c.model_fields["method"].annotation.__args__[0] for c in union} == names
+    for name, cls in METHODS.items():
+        assert typing.get_args(cls.model_fields["method"].annotation) == (name,)
+        assert cls.model_fields["options"].default_factory().method == name
+        assert set(ROUNDING[name].cost) == {"cpu", "cuda"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_resolved_recipe_reads_back_to_the_same_hash(path):
+    """The resolved recipe (what an artifact stores) is itself a valid recipe with the same
+    hash: every group's options keep the one flat shape, null where they do not apply."""
+    from pipeline.recipe.groups import FLAT_KEYS
+
+    r = load_recipe(path)
+    resolved = r.resolved()
+    for g in resolved["groups"]:
+        assert tuple(g["options"])[: len(FLAT_KEYS)] == FLAT_KEYS
+    assert parse_recipe(resolved).hash() == r.hash()
+
+
+def test_group_errors_name_the_yaml_field_not_the_union_tag():
+    base = load_recipe(ROOT / "recipes" / "gptq-w4.yaml").model_dump(mode="json")
+    bad = json.loads(json.dumps(base))
+    bad["groups"][0]["method"] = "gptqq"
+    with pytest.raises(RecipeError, match=r"field `groups\[0\]\.method`: Input should be 'awq'"):
+        parse_recipe(bad)
+    bad = json.loads(json.dumps(base))
+    bad["groups"][0]["options"]["dampening_fra"] = 0.1
+    with pytest.raises(RecipeError, match=r"groups\[0\]\.options\.dampening_fra`: unknown key "
+                       r"\(did you mean `dampening_frac`\?\)"):  # fmt: skip
+        parse_recipe(bad)
+    bad = json.loads(json.dumps(base))
+    del bad["groups"][1]["method"]
+    with pytest.raises(RecipeError, match=r"field `groups\[1\]\.method`: Field required"):
+        parse_recipe(bad)
+
+
+def test_the_estimate_times_each_method_by_its_table_row(monkeypatch):
+    """The estimate's quantize time reads each method's cost from the table alone."""
+    from transformers import AutoConfig
+
+    from pipeline.quantize import methods
+    from pipeline.quantize.estimate import estimate
+    from pipeline.quantize.plan import plan_for_config
+
+    r = load_recipe(ROOT / "recipes" / "rtn-w4.yaml")
+    config = AutoConfig.from_pretrained(ROOT / "tests/fixtures/models/tiny-llama")
+    plan = plan_for_config(config, r)
+    before = estimate(plan, config, r, "cpu").quantize_s
+    row = methods.ROUNDING["rtn"]
+    monkeypatch.setitem(methods.ROUNDING, "rtn", methods.Rounding(cost={"cpu": 2 * row.cost["cpu"],
+                                                                         "cuda": 0.0}))  # fmt: skip
+    after = estimate(plan, config, r, "cpu").quantize_s
+    assert before > 1 and abs(after - 2 * before) <= 0.15  # each rounded to 0.1 s

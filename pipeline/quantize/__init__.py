@@ -2,6 +2,7 @@
 
 validate.py   the recipe against the model's module tree (exit 2 before any compute)
 plan.py       every Linear -> group, method, scheme; AWQ mappings; expected size
+methods.py    each recipe method's rounding: its modifier, time model, key entries
 modifiers.py  the plan as llm-compressor modifiers
 engine.py     load, calibrate (oneshot), save compressed, check (complete or absent)
 metrics.py    GPTQ error, AWQ loss, time per layer (and the progress bar)

@@ -60,6 +60,7 @@ def derive_awq_mappings(
     import torch
 
     method = {g.name: g.method for g in recipe.groups}
+    quantizing = {g.name for g in recipe.groups if g.quantizes}
     smoothed = {g.name for g in recipe.groups if g.smoothed}
     # AWQ alone and AWQ scales under GPTQ rounding are different settings of one mapping
     opts = {g.name: (g.method, g.options.model_dump_json()) for g in recipe.groups}
@@ -71,7 +72,7 @@ def derive_awq_mappings(
         for kind, smooth, balance in _candidates(lp, structure, mods):
             involved = [*balance, *([smooth] if isinstance(mods[smooth], torch.nn.Linear) else [])]
             groups = {n: owner.get(n) for n in involved if n in owner}
-            quantized = {n: g for n, g in groups.items() if g and method[g] != "none"}
+            quantized = {n: g for n, g in groups.items() if g in quantizing}
             if not any(g in smoothed for g in quantized.values()):
                 continue  # nothing AWQ here: not listed
             reason = ""

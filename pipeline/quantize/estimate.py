@@ -56,9 +56,10 @@ from collections import Counter
 from typing import Any
 
 from ..errors import UsageError
-from ..recipe import Recipe
+from ..recipe import METHODS, Recipe
 from ..records.estimate import ResourceEstimate
 from ..records.plan import Plan
+from .methods import ROUNDING
 
 GB = 1e9
 C_GPU = 0.3 * GB
@@ -83,11 +84,6 @@ T_OFFLOAD = 0.7e-9
 # offloaded against 7.8 / 14.6 s onto the GPU, for 6,208 / 9,312 Linears); negligible for
 # a dense model (the 8B's 224 Linears: ~2 s)
 T_OFFLOAD_MODULE = 0.0085
-# seconds per parameter-token of each method / the mixed recipe's (the fit above)
-METHOD_COST = {
-    "cpu": {"rtn": 0.19, "gptq": 0.37, "awq": 2.47, "autoround": 9.2, "none": 0.0},
-    "cuda": {"rtn": 0.1, "gptq": 0.5, "awq": 1.6, "autoround": 12.5, "none": 0.0},
-}
 ASSUMED_SPLIT = ("; --gpus N assumed to split the calibration tokens evenly over the ranks "
                  "(not yet measured on several GPUs)")  # fmt: skip
 BASIS = ("fitted on Gemma 3 270M (H200, 2-core CPU) and an 8B-dims Llama (H200), "
@@ -141,19 +137,20 @@ def estimate(
                 for m in plan.modules}  # fmt: skip
     in_layers = [m for m in plan.modules if layer_of[m.name]]
     layer_params = sum(m.in_features * m.out_features for m in in_layers) / layers
-    cost = METHOD_COST["cuda" if device.startswith("cuda") else "cpu"]
+    kind = "cuda" if device.startswith("cuda") else "cpu"
     # the parameters of a layer as the time fit counts them: weighted by each method's cost
-    timed_params = sum(m.in_features * m.out_features * cost.get(m.method, 1.0)
+    # (seconds per parameter-token, quantize/methods.py: the fit above)
+    timed_params = sum(m.in_features * m.out_features * ROUNDING[m.method].cost[kind]
                        for m in in_layers) / layers  # fmt: skip
     gptq_by_layer: dict[str, list] = {}
     for m in in_layers:
-        if m.method == "gptq":
+        if ROUNDING[m.method].hessians:
             gptq_by_layer.setdefault(str(layer_of[m.name]), []).append(m)
     hess = max((sum(m.in_features**2 * 4 for m in ms) for ms in gptq_by_layer.values()), default=0)
     hess += _gptq_batches(gptq_by_layer, ranks, free_gpu_bytes)
     awq = (
         cal.batch_size * heads * cal.seq_len**2 * 4
-        if any(m.method == "awq" for m in plan.modules)
+        if any(ROUNDING[m.method].attention_cache for m in plan.modules)
         else 0
     )
     w = plan.params.dense_bytes
@@ -165,7 +162,7 @@ def estimate(
         offload = "disk" if offload == "disk" else "none"
     resident = w if offload == "none" else 2 * unit
     if gpu:
-        quantized = [m for m in in_layers if m.method != "none"]
+        quantized = [m for m in in_layers if METHODS[m.method].quantizes]
         experts = [m for m in quantized if m.role == "experts"]
         expert_bytes = sum(m.in_features * m.out_features * 2 for m in experts)  # bf16
         oneshot = resident + acts + hess + awq + C_GPU

@@ -3,13 +3,15 @@
   SmoothQuantModifier with the plan's applied norm mappings (recipe `smoothquant`)
   AWQModifier (transform only) per option set of the smoothed groups (method awq, and gptq
     with `awq_scales`), with the plan's applied mappings
-  QuantizationModifier: config groups of the AWQ and RTN modules (+ the FP8 KV scheme)
-  GPTQModifier per GPTQ option set: config groups of its modules
-  AutoRoundModifier (mended: autoround_modifier.py) per AutoRound option set: config groups
-    of its modules
+  QuantizationModifier: config groups of the modules of methods without a modifier of their
+    own (AWQ, RTN) (+ the FP8 KV scheme)
+  each method's own modifier (quantize/methods.py: ROUNDING, in its order) per option set:
+    config groups of its modules -- GPTQModifier, then AutoRoundModifier (mended:
+    autoround_modifier.py)
 
 AWQ only scales; the quantizing modifier after it (RTN or GPTQ) reads the scheme it searched
-the scales for. The FP8 KV scheme goes with the QuantizationModifier or the first GPTQ one.
+the scales for. The FP8 KV scheme goes with the QuantizationModifier or the first modifier
+that can carry it (GPTQ's).
 
 Config-group targets come from the plan's exact module sets (model.matching.compact_targets:
 one regex per group when that is exact), so what llm-compressor quantizes is what the plan
@@ -19,12 +21,13 @@ by no group and stay in the recipe's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..model.matching import compact_targets
-from ..recipe import Recipe
+from ..recipe import METHODS, Recipe
 from ..records.plan import ModuleScheme, Plan
-from .autoround_modifier import autoround_modifier_class
+from .methods import ROUNDING
 
 
 def qargs(scheme: ModuleScheme) -> dict[str, Any]:
@@ -85,38 +88,41 @@ def config_groups(plan: Plan, groups: list[str]) -> dict[str, Any]:
     return out
 
 
-def _option_sets(recipe: Recipe, plan: Plan, method: str) -> dict[str, list[str]]:
-    """{options: group names} of the groups with `method` ("smoothed": AWQ's scales)."""
+def _option_sets(recipe: Recipe, plan: Plan, hit: Callable[[Any], bool]) -> dict[str, list[str]]:
+    """{method and options: group names} of the planned groups for which `hit` holds."""
     present = {m.group for m in plan.modules}
     sets: dict[str, list[str]] = {}
     for g in recipe.groups:
-        hit = g.smoothed if method == "smoothed" else g.method == method
-        if hit and g.name in present:
+        if hit(g) and g.name in present:
             sets.setdefault(g.method + g.options.model_dump_json(), []).append(g.name)
     return sets
 
 
-def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
-    """The llm-compressor modifiers for this plan (see the module docstring)."""
+def _is(method: str) -> Callable[[Any], bool]:
+    return lambda g: g.method == method
+
+
+def _kv_schemes(plan: Plan, recipe: Recipe) -> tuple[Any, Any]:
+    """(the FP8 KV cache's QuantizationArgs, the query's QuantizationScheme), each or None."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if recipe.kv_cache is None:
+        return None, None
+    kv = QuantizationArgs(num_bits=8, type="float", strategy=recipe.kv_cache.strategy,
+                          dynamic=False, symmetric=True)  # fmt: skip
+    if not (recipe.kv_cache.query and plan.attention_class):
+        return kv, None
+    # attention quantization: the query's scale calibrated beside K and V; one class name
+    # as target, which vLLM recognises and leaves to its KV-cache method
+    return kv, QuantizationScheme(targets=[plan.attention_class], input_activations=kv)
+
+
+def _smoothing(plan: Plan, recipe: Recipe) -> list[Any]:
+    """SmoothQuant with the plan's applied mappings, then one AWQ transform per option set
+    of the smoothed groups."""
     import torch
-    from compressed_tensors.quantization import QuantizationArgs
-    from llmcompressor.modifiers.gptq import GPTQModifier
-    from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQMapping, AWQModifier
 
-    groups = {g.name: g for g in recipe.groups}
-    kv = None
-    query = None
-    if recipe.kv_cache is not None:
-        kv = QuantizationArgs(num_bits=8, type="float", strategy=recipe.kv_cache.strategy,
-                              dynamic=False, symmetric=True)  # fmt: skip
-        if recipe.kv_cache.query and plan.attention_class:
-            from compressed_tensors.quantization import QuantizationScheme
-
-            # attention quantization: the query's scale calibrated beside K and V; one class
-            # name as target, which vLLM recognises and leaves to its KV-cache method
-            query = QuantizationScheme(targets=[plan.attention_class], input_activations=kv)
-    owner = {m.name: m.group for m in plan.modules}
     mods: list[Any] = []
     sq = [[list(mp.balance), mp.smooth] for mp in plan.smoothquant if mp.applied]
     if recipe.smoothquant is not None and sq:
@@ -124,60 +130,56 @@ def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
 
         mods.append(SmoothQuantModifier(smoothing_strength=recipe.smoothquant.strength,
                                         mappings=sq))  # fmt: skip
-    for names in _option_sets(recipe, plan, "smoothed").values():
-        opts = groups[names[0]].options
+    groups = {g.name: g for g in recipe.groups}
+    owner = {m.name: m.group for m in plan.modules}
+    for names in _option_sets(recipe, plan, lambda g: g.smoothed).values():
+        # AWQ's own options (GPTQ's awq_scales groups take llm-compressor's defaults)
+        opts = {k: getattr(groups[names[0]].options, k, None)
+                for k in ("n_grid", "duo_scaling", "offload_cache")}  # fmt: skip
         maps = [AWQMapping(mp.smooth, list(mp.balance)) for mp in plan.applied_mappings()
                 if owner.get(mp.balance[0]) in names]  # fmt: skip
         kw: dict[str, Any] = {"mappings": maps}
-        if opts.n_grid is not None:
-            kw["n_grid"] = opts.n_grid
-        if opts.duo_scaling is not None:
-            kw["duo_scaling"] = opts.duo_scaling
+        kw.update({k: opts[k] for k in ("n_grid", "duo_scaling") if opts[k] is not None})
         # AWQ caches every batch's layer inputs for its grid search; in CPU memory they cost
         # a transfer per grid point (+24 % time on an 8B for 0.3 GB less peak GPU memory)
-        if opts.offload_cache is not None:
-            kw["offload_device"] = torch.device("cpu") if opts.offload_cache else None
+        if opts["offload_cache"] is not None:
+            kw["offload_device"] = torch.device("cpu") if opts["offload_cache"] else None
         if maps:
             mods.append(AWQModifier(**kw))
+    return mods
 
-    rtn_awq = [g.name for g in recipe.groups if g.method in ("awq", "rtn")]
-    qm_groups = config_groups(plan, rtn_awq)
-    gptq_sets = _option_sets(recipe, plan, "gptq")
-    ar_sets = _option_sets(recipe, plan, "autoround")
-    # AutoRound cannot carry the KV scheme (it takes every scheme it holds for a weight's)
+
+def build_modifiers(plan: Plan, recipe: Recipe) -> list[Any]:
+    """The llm-compressor modifiers for this plan (see the module docstring): each method's
+    part comes from quantize/methods.py's ROUNDING."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    groups = {g.name: g for g in recipe.groups}
+    kv, query = _kv_schemes(plan, recipe)
+    mods = _smoothing(plan, recipe)
+    shared = [g.name for g in recipe.groups
+              if METHODS[g.method].quantizes and ROUNDING[g.method].modifier is None]  # fmt: skip
+    own = {method: _option_sets(recipe, plan, _is(method))
+           for method, r in ROUNDING.items() if r.modifier is not None}  # fmt: skip
+    qm_groups = config_groups(plan, shared)
     if query is not None:
         name = "attention_query"
         while name in qm_groups:  # a recipe group of that name keeps its own scheme
             name += "_"
         qm_groups = {**qm_groups, name: query}
-    if qm_groups or (kv is not None and not gptq_sets):
+    kv_elsewhere = any(sets and ROUNDING[m].carries_kv for m, sets in own.items())
+    if qm_groups or (kv is not None and not kv_elsewhere):
         # targets=[]: the config groups name their own targets; the modifier's default
         # ("Linear") is used only when there are none (the KV scheme alone, beside
         # AutoRound), as a group on every Linear, the head included, for which
         # llm-compressor unties a tied embedding (Gemma 3 270M: 724 MB stored for 389 planned)
         mods.append(QuantizationModifier(config_groups=qm_groups, kv_cache_scheme=kv, targets=[]))
         kv = None
-    for names in gptq_sets.values():
-        opts = groups[names[0]].options
-        kw = {"config_groups": config_groups(plan, names)}
-        if opts.dampening_frac is not None:
-            kw["dampening_frac"] = opts.dampening_frac
-        if opts.actorder is not None:
-            kw["actorder"] = opts.actorder
-        if opts.block_size is not None:
-            kw["block_size"] = opts.block_size
-        if kv is not None:
-            kw["kv_cache_scheme"], kv = kv, None
-        mods.append(GPTQModifier(**kw))
-    for names in ar_sets.values():
-        opts = groups[names[0]].options
-        # AutoRound's batch must be the pipeline's (a larger calibration batch makes
-        # auto-round take the sequence for the batch axis and exit the process)
-        kw = {"config_groups": config_groups(plan, names),
-              "batch_size": recipe.calibration.batch_size}  # fmt: skip
-        if opts.iters is not None:
-            kw["iters"] = opts.iters
-        # torch.compile of the tuning loop needs a compiler toolchain on the machine; the
-        # loop is a small share of the time on models qship calibrates layer by layer
-        mods.append(autoround_modifier_class()(enable_torch_compile=False, **kw))
+    for method, sets in own.items():
+        build, carries_kv = ROUNDING[method].modifier, ROUNDING[method].carries_kv
+        for names in sets.values():
+            carried, kv = (kv, None) if carries_kv else (None, kv)
+            if build is not None:
+                opts = groups[names[0]].options
+                mods.append(build(config_groups(plan, names), opts, recipe, carried))
     return mods

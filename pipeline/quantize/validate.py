@@ -98,7 +98,7 @@ def validate_for_model(recipe: Recipe, model: Any, structure: Structure | None =
             path=path,
             hint="set `dtype: bfloat16`",
         )
-    if recipe.kv_cache is None and all(g.method == "none" for g in recipe.groups):
+    if recipe.kv_cache is None and not any(g.quantizes for g in recipe.groups):
         raise RecipeError(
             "field `groups`: every group keeps its modules in 16-bit and there is no "
             "kv_cache: the recipe quantizes nothing",
@@ -113,7 +113,7 @@ def validate_for_model(recipe: Recipe, model: Any, structure: Structure | None =
         for n in _claimed(g, gi, modules, structure.roles, path, arch):
             m = modules[n]
             if not isinstance(m, torch.nn.Linear):
-                if g.method != "none":
+                if g.quantizes:
                     raise RecipeError(
                         f"field `groups[{gi}]`: group {g.name!r} ({g.method}) claims {n} "
                         f"({type(m).__name__}), which is not a Linear module",

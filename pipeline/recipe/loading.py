@@ -14,22 +14,46 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ..errors import RecipeError
+from .methods import METHODS, Method
 from .schema import Recipe
+
+
+def _is_tag(loc: tuple, i: int) -> bool:
+    """Whether loc[i] is pydantic's union tag (a group's method), not a key of the YAML."""
+    return i > 0 and isinstance(loc[i - 1], int) and loc[i] in METHODS
 
 
 def _loc(loc: tuple) -> str:
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
+        if _is_tag(loc, i):
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "<top level>"
+
+
+def _method_error(err: Any) -> Any:
+    """A group's unknown or missing `method` as the error of that key (the group union is
+    told apart by it)."""
+    allowed = [f"'{m}'" for m in typing.get_args(Method)]
+    expected = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+    if err.get("type") == "union_tag_invalid":
+        return {**err, "type": "literal_error", "loc": (*err["loc"], "method"),
+                "msg": f"Input should be {expected}", "ctx": {"expected": expected}}  # fmt: skip
+    if err.get("type") == "union_tag_not_found":
+        return {**err, "type": "missing", "loc": (*err["loc"], "method"), "msg": "Field required"}
+    return err
 
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:
     """The schema class whose field the last part of `loc` names (lists and unions seen
     through), or None."""
     model: type[BaseModel] | None = Recipe
-    for part in loc[:-1]:
+    for i, part in enumerate(loc[:-1]):
         if isinstance(part, int) or model is None:
+            continue
+        if _is_tag(loc, i):
+            model = METHODS[str(part)]
             continue
         f = model.model_fields.get(str(part))
         model = _inner_model(f.annotation) if f is not None else None
@@ -87,7 +111,8 @@ def parse_recipe(data: Any, *, path: str = "<recipe>") -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         # an unknown key first: a typo (`group:`) also makes the real key look missing
-        errs = sorted(e.errors(), key=lambda x: x.get("type") != "extra_forbidden")
+        errs = sorted(map(_method_error, e.errors()),
+                      key=lambda x: x.get("type") != "extra_forbidden")  # fmt: skip
         first = errs[0]
         field = _loc(first["loc"])
         msg = first["msg"].removeprefix("Value error, ")

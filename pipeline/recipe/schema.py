@@ -29,8 +29,9 @@ uses the library's own matcher, so plan and engine cannot disagree): `re:<regex>
 `re.match` against the module name (anchored at the start only; end it with `$` for an
 exact suffix), anything else is an exact module name or a module class name (`Linear`).
 
-Checks that need the model (overlaps, unmatched targets, group-size divisibility, fp16 on
-Gemma) are the plan's (pipeline/quantize/validate.py): a recipe alone is checked here.
+Each method's group (its options, facts and own checks) is in methods.py. Checks that
+need the model (overlaps, unmatched targets, group-size divisibility, fp16 on Gemma) are
+the plan's (pipeline/quantize/validate.py): a recipe alone is checked here.
 """
 
 from __future__ import annotations
@@ -43,128 +44,11 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from .base import Strict as _Strict
-from .formats import Scheme, SmoothQuant, Target
+from .formats import SmoothQuant, Target
+from .methods import METHODS, Group
 from .serving import ServeGate
 
-Method = Literal["awq", "gptq", "autoround", "rtn", "none"]
-# the methods whose rounding depends on calibration data (rtn and none do not)
-CALIBRATED_METHODS = ("awq", "gptq", "autoround")
-# methods a CPU runner cannot afford (AutoRound: ~25x GPTQ's calibration time, bench/RESULTS.md)
-GPU_METHODS = ("autoround",)
 DType = Literal["bfloat16", "float16", "float32"]
-
-_GPTQ_OPTIONS = {"dampening_frac", "actorder", "block_size", "awq_scales"}
-_AWQ_OPTIONS = {"n_grid", "duo_scaling", "offload_cache"}
-_AUTOROUND_OPTIONS = {"iters"}
-
-
-class Options(_Strict):
-    """Method options. GPTQ: dampening_frac, actorder, block_size, awq_scales (true: AWQ's
-    smoothing scales are searched and folded in first, then GPTQ rounds the smoothed
-    weights). AWQ: n_grid, duo_scaling, offload_cache (true: AWQ's cached layer inputs in CPU
-    memory instead of on the GPU, 0.3 GB lower peak on an 8B for +24 % time; false: on the
-    GPU; null: llm-compressor's default). AutoRound: iters (sign-gradient steps per decoder
-    layer; llm-compressor's default 200)."""
-
-    dampening_frac: float | None = Field(default=None, gt=0, lt=1)
-    # llm-compressor 0.14's GPTQ orders columns by static or weight only ("group" fails there)
-    actorder: Literal["static", "weight"] | None = None
-    # every number is bounded by what a real run could need (beyond it: exit 2): GPTQ's
-    # default block is 128, AWQ's grid 20 points, AutoRound's 200 steps per layer
-    block_size: int | None = Field(default=None, gt=0, le=8192)
-    n_grid: int | None = Field(default=None, gt=0, le=200)
-    duo_scaling: bool | Literal["both"] | None = None
-    offload_cache: bool | None = None
-    awq_scales: bool | None = None
-    iters: int | None = Field(default=None, gt=0, le=10_000)
-
-    @field_validator("actorder", mode="before")
-    @classmethod
-    def _no_group_order(cls, v: Any) -> Any:
-        if v == "group":
-            raise ValueError(
-                "actorder 'group' is refused by llm-compressor 0.14's GPTQ (only static and "
-                "weight); use static (measured the same as weight on Gemma 3 270M)"
-            )
-        return v
-
-    def given(self) -> set[str]:
-        return {k for k, v in self.model_dump().items() if v is not None}
-
-
-Role = Literal["attention", "mlp", "experts", "router", "embeddings", "lm_head"]
-
-
-class Group(_Strict):
-    name: str = Field(min_length=1)
-    # what the group claims: roles (resolved from the model's structure, pipeline/model/
-    # roles.py: one recipe fits every family) and/or targets (module names, class names or
-    # 're:' regexes, matched as llm-compressor matches them)
-    roles: list[Role] = Field(default_factory=list)
-    targets: list[str] = Field(default_factory=list)
-    # modules taken out of what roles/targets claim (another group takes them), same syntax
-    exclude: list[str] = Field(default_factory=list)
-    method: Method
-    scheme: Scheme | None = None
-    options: Options = Field(default_factory=Options)
-
-    @property
-    def smoothed(self) -> bool:
-        """Whether AWQ's smoothing scales are applied to this group's modules."""
-        return self.method == "awq" or (self.method == "gptq" and bool(self.options.awq_scales))
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Group:
-        if not self.roles and not self.targets:
-            raise ValueError("a group needs `roles` or `targets` (or both)")
-        if self.method == "none":
-            if self.scheme is not None:
-                raise ValueError(
-                    "method 'none' keeps weights in 16-bit and takes no scheme; "
-                    "delete `scheme` or choose awq/gptq/rtn"
-                )
-        elif self.scheme is None:
-            raise ValueError(
-                f"method '{self.method}' needs a `scheme` (bits, symmetric, group_size)"
-            )
-        sch = self.scheme
-        if sch is not None and sch.activations is not None and "embeddings" in self.roles:
-            raise ValueError(
-                "scheme.activations on a group with role embeddings: an embedding reads "
-                "token ids, not activations; move embeddings to a group without activations"
-            )
-        if (
-            sch is not None
-            and self.method in ("awq", "autoround")
-            and (sch.type == "float" or sch.activations is not None)
-        ):
-            raise ValueError(
-                f"method '{self.method}' writes integer weights without activation "
-                "quantization here; for FP8 or W8A8/W4A8 use method rtn (FP8) or gptq"
-            )
-        if self.method == "autoround" and self.scheme is not None and self.scheme.symmetric:
-            raise ValueError(
-                "method 'autoround' with symmetric: true writes negative scales (auto-round "
-                "signs each group's scale by its largest-magnitude weight), which qship's "
-                "checkpoint check refuses; set `symmetric: false`"
-            )
-        allowed = {"gptq": _GPTQ_OPTIONS, "awq": _AWQ_OPTIONS,
-                   "autoround": _AUTOROUND_OPTIONS}.get(self.method, set())  # fmt: skip
-        bad = self.options.given() - allowed
-        if bad:
-            raise ValueError(
-                f"options {sorted(bad)} do not apply to method '{self.method}' "
-                f"(allowed: {sorted(allowed) or 'none'}); delete them"
-            )
-        for t in [*self.targets, *self.exclude]:
-            if t.startswith("re:"):
-                import re
-
-                try:
-                    re.compile(t[3:])
-                except re.error as e:
-                    raise ValueError(f"target {t!r} is not a valid regex ({e})") from e
-        return self
 
 
 class KVCache(_Strict):
@@ -493,7 +377,7 @@ class Recipe(_Strict):
         return yaml.safe_dump(self.resolved(), sort_keys=False)
 
     def needs_gpu(self) -> bool:
-        return any(g.method in GPU_METHODS for g in self.groups)
+        return any(METHODS[g.method].gpu_only for g in self.groups)
 
     def needs_calibration(self) -> bool:
         """False for a data-free recipe (RTN weights, dynamic or no activation scales, no
@@ -507,7 +391,7 @@ class Recipe(_Strict):
             or self.smoothquant is not None
             or static_act
             or imatrix
-            or any(g.method in CALIBRATED_METHODS for g in self.groups)
+            or any(METHODS[g.method].calibrated for g in self.groups)
         )
 
     def quantizes_activations(self) -> bool:

@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Literal
 
-from ..recipe import KVCache
+from ..recipe import KVCache, Method
 from .base import Record
 from .estimate import ResourceEstimate
-
-Method = Literal["awq", "gptq", "autoround", "rtn", "none"]
 
 
 class ActivationScheme(Record):

@@ -211,11 +211,11 @@ def quantize_key(
         inputs["processes"] = processes
     # qship's own rounding of W4A8 weights, not a library's: entries from before it are other
     # checkpoints (quantize/w4a8_gptq.py, quantize/w4a8_rtn.py)
-    w4a8 = {g.method for g in recipe.groups if g.scheme is not None and g.scheme.w4a8}
-    if "gptq" in w4a8:
-        inputs["gptq_rounding"] = "served-w4a8"
-    if "rtn" in w4a8:
-        inputs["rtn_rounding"] = "served-w4a8"
+    from ..quantize.methods import ROUNDING
+
+    for g in recipe.groups:
+        if g.scheme is not None and g.scheme.w4a8 and ROUNDING[g.method].w4a8_key:
+            inputs[str(ROUNDING[g.method].w4a8_key)] = "served-w4a8"
     return stage_key("quantize", inputs)
 
 
