@@ -23,7 +23,6 @@ ROOT = Path(pipeline.__file__).parent
 # qualified name -> why it is still long, and which change removes it
 KNOWN_LONG = {
     "pipeline.artifact.package.package": "supply-chain work on artifact/package.py",
-    "pipeline.quantize.modifiers.build_modifiers": "methods refactor (one method table)",
     "pipeline.quantize.plan.build_plan": "methods refactor (one method table)",
     "pipeline.cli.artifact.verify_cmd": "the served gate moves out of the CLI (settings refactor)",
 }
