@@ -11,13 +11,27 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.io.hashing import format_sha256sums, sha256_file
 
 
-def resum(art: Path) -> None:
-    """SHA256SUMS rewritten to match the files (a signature, if any, is left stale)."""
+def _rehash_model(art: Path) -> None:
+    """provenance's quantized_model_hash re-recorded for the changed weights."""
+    import json
+
+    from pipeline.io.hashing import hash_files, list_files
+    from pipeline.model.files import model_hash
+
+    prov = json.loads((art / "provenance.json").read_text())
+    prov["quantized_model_hash"] = model_hash(hash_files(art, list_files(art)))
+    (art / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
+
+
+def _sums(art: Path) -> None:
+    """SHA256SUMS rewritten to match the files (a signature, the BOM's and the statements'
+    hashes left stale: pass tests/factories.resum as `resum` to restate those too)."""
     rels = sorted(
         p.relative_to(art).as_posix()
         for p in art.rglob("*")
@@ -28,7 +42,8 @@ def resum(art: Path) -> None:
     )
 
 
-def rerounded(art: Path, source: Path, dest: Path, near: float = 0.03) -> Path:
+def rerounded(art: Path, source: Path, dest: Path, near: float = 0.03,
+              resum: Callable[[Path], None] | None = None) -> Path:  # fmt: skip
     import torch
     from compressed_tensors.compressors.pack_quantized import pack_to_int32, unpack_from_int32
     from safetensors.torch import load_file, save_file
@@ -56,7 +71,8 @@ def rerounded(art: Path, source: Path, dest: Path, near: float = 0.03) -> Path:
                 torch.where(flip, other, q).to(torch.int8), 4
             )
         save_file(w, str(bad / f), metadata={"format": "pt"})
-    resum(bad)
+    _rehash_model(bad)
+    (resum or _sums)(bad)
     return bad
 
 

@@ -137,7 +137,7 @@ def test_weights_rounded_otherwise_fail_verify_serve_despite_the_fp8_kv_cache(
     assert rc == 0 and ok["served"]["served_vs_measured"]["kl_mean"] < 1e-6, ok
     share = kv_part(KVShare.model_validate(ev["kv_cache_share"]))
     assert 0 < share < 1
-    bad = rerounded(art, tiny_llama, tmp_path / "rerounded")
+    bad = rerounded(art, tiny_llama, tmp_path / "rerounded", resum=_resum)
     assert qship(capsys, "verify", str(bad))[0] == 0  # checksums and headers cannot tell
     rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu")
     assert rc == GATE_FAILED, err
