@@ -193,6 +193,22 @@ def restate(art: Path, sums: dict[str, str], *, bom: bool = True) -> None:
         path.write_text(json.dumps(st, indent=2, sort_keys=True) + "\n")
 
 
+def negate_head(art: Path) -> str:
+    """lm_head negated in whichever weight file holds it; -> that file's name."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(art.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            if "lm_head.weight" not in fh.keys():
+                continue
+        sd = load_file(str(f))
+        sd["lm_head.weight"] = -sd["lm_head.weight"]
+        save_file(sd, str(f), metadata={"format": "pt"})
+        return f.name
+    raise AssertionError(f"no lm_head.weight in {art}")
+
+
 def reseal(art: Path, *records: str) -> None:
     """Re-hash `records` into provenance.json and rewrite SHA256SUMS: a forgery that left
     the artifact's own hashes consistent, so a check beyond them is what must fail."""

@@ -167,7 +167,7 @@ def test_one_out_is_one_lock_however_it_is_written_and_whatever_the_cache(
 
 
 def test_a_failed_stage_is_in_run_json_with_its_time_and_error(
-    tiny_llama, rtn_recipe, tmp_path, capsys, monkeypatch
+    tiny_llama, rtn_recipe, tmp_path, capsys, monkeypatch, cuda_here
 ):
     """The recipe stage fails (the GPU is too small): run.json has its row with the time
     it ran and the error, not `"stages": []`."""

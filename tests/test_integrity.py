@@ -88,7 +88,7 @@ def test_a_reused_out_whose_weights_were_altered_and_resummed_is_exit_3(first_ru
     """The same `qship run` again on its own --out reuses it only when the artifact's
     records agree: lm_head negated and SHA256SUMS rewritten is exit 3 naming the weight
     file, not a reuse that ships it."""
-    from test_verify import negate_head, resum
+    from factories import negate_head, resum
 
     tmp, cache, args = first_run
     shard = negate_head(tmp / "a")

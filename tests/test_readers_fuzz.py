@@ -298,7 +298,7 @@ def test_sums_known_bad(text):
 
 @pytest.fixture(scope="module")
 def tiny_gguf_bytes(tmp_path_factory) -> bytes:
-    from tests.test_fetch_gguf import write_tiny_llama_gguf
+    from tiny_gguf import write_tiny_llama_gguf
 
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "t.gguf").read_bytes()
 

@@ -355,7 +355,7 @@ def test_the_time_estimate_follows_the_method(tiny_gemma):
         secs = {}
         for method in ("autoround", "awq", "gptq", "rtn"):
             r = parse_recipe({"name": method, "others": "keep",
-                              "calibration": {"num_samples": 4096, "seq_len": 2048}, "groups": [
+                              "calibration": {"num_samples": 16384, "seq_len": 512}, "groups": [
                 {"name": "all", "roles": ["attention", "mlp"], "method": method,
                  "scheme": {"bits": 4, "group_size": 32, "symmetric": False}}]})  # fmt: skip
             secs[method] = estimate(plan_for_config(config, r), config, r, device).quantize_s

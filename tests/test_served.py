@@ -77,7 +77,7 @@ def altered(art: Path, dest: Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from pipeline.io.hashing import format_sha256sums, hash_files, list_files
+    from pipeline.io.hashing import hash_files, list_files
     from pipeline.model.files import model_hash
 
     bad = shutil.copytree(art, dest)
@@ -88,8 +88,7 @@ def altered(art: Path, dest: Path) -> Path:
     prov = json.loads((bad / "provenance.json").read_text())
     prov["quantized_model_hash"] = model_hash(hash_files(bad, list_files(bad)))
     (bad / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
-    sums = {r: d.sha256 for r, d in hash_files(bad, list_files(bad)).items() if r != "SHA256SUMS"}
-    (bad / "SHA256SUMS").write_text(format_sha256sums(sums))
+    _resum(bad)  # SHA256SUMS, the BOM and the statements restated too
     return bad
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import ec_keypair, reseal, resum
+from factories import ec_keypair, negate_head, reseal, resum
 
 from pipeline.artifact.signing import SIGNATURE
 from pipeline.artifact.signing import sign_artifact as sign
@@ -284,22 +284,6 @@ def test_index_pointing_at_the_wrong_shard(packaged_artifact, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ records against each other
-
-
-def negate_head(art: Path) -> str:
-    """lm_head negated in whichever weight file holds it; -> that file's name."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    for f in sorted(art.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            if "lm_head.weight" not in fh.keys():
-                continue
-        sd = load_file(str(f))
-        sd["lm_head.weight"] = -sd["lm_head.weight"]
-        save_file(sd, str(f), metadata={"format": "pt"})
-        return f.name
-    raise AssertionError(f"no lm_head.weight in {art}")
 
 
 def _weights(art: Path) -> tuple[str, str]:

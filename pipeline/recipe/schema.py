@@ -237,8 +237,9 @@ class EvaluationConfig(_Strict):
 
 
 class TaskGate(_Strict):
-    # the largest accuracy drop allowed, percentage points (reference - candidate)
-    max_drop: float = Field(ge=0, le=100)
+    # the largest accuracy drop allowed, percentage points (reference - candidate); below 0:
+    # the candidate must gain that much
+    max_drop: float = Field(ge=-100, le=100)
 
     @model_validator(mode="before")
     @classmethod
