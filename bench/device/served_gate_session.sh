@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU session for issue 57's served figures (items 1, 2, 4): Gemma 3 270M, `qship run` of
-# $RECIPES on the GPU, then as served by vLLM 0.26: each artifact's served check (the rounding
-# floor: the limit and its run-time share), the first artifact re-rounded otherwise (same
+# GPU session for issue 57's served figures (items 1, 2, 4) and issue 58's candidates at the GPU
+# default's budget: Gemma 3 270M, `qship run` of $RECIPES and $CANDS on the GPU at once, then
+# as served by vLLM 0.26: each artifact's served check (the rounding floor: the limit and its
+# run-time share), the first artifact re-rounded otherwise (same
 # scales, other nearest levels: bench/reround.py) which the served check must fail, and served
 # speed of every artifact beside the reference (the reference served once: the second
 # artifact's reference figures come from the cache). Carries as formats_session.sh (built by
@@ -21,25 +22,29 @@ export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false H
 G=$S/gemma-3-270m-q4_k_m.gguf
 L=.qship-gpu/recipes
 Q="python3 -m pipeline.cli"
-RECIPES=${RECIPES:-"gemma-mixed-w4-h200 w4a16-gptq-h200"}
+RECIPES=${RECIPES:-"gemma-mixed-w4-h200 gemma-mixed-w4a-h200"}  # served, re-rounded (first), speed
+CANDS=${CANDS-"gemma-mixed-w4a-attn64-h200 gemma-mixed-w4a-grid-h200"}  # issue 58: run + served
 R=$S/rows
 
 job() {
   $Q fetch "$G" --json > "$R/fetch.json" 2> "$S/fetch.log"
   ref=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['path'])" "$R/fetch.json")
-  for r in $RECIPES; do
-    $Q run --model "$G" --recipe "$L/$r.yaml" --out "$S/art-$r" --device cuda --json \
-      > "$R/run-$r.json" 2> "$S/run-$r.log"
-    echo "== run $r rc $?"; cp "$S/art-$r.report/eval.json" "$R/eval-$r.json" 2>/dev/null
+  for r in $RECIPES $CANDS; do  # at once: a 270M model leaves the GPU and 16 cores room
+    ( $Q run --model "$G" --recipe "$L/$r.yaml" --out "$S/art-$r" --device cuda --json \
+        > "$R/run-$r.json" 2> "$S/run-$r.log"
+      echo "== run $r rc $?"; cp "$S/art-$r.report/eval.json" "$R/eval-$r.json" 2> /dev/null ) &
   done
+  wait
   while [ ! -f "$S/vllm.ready" ]; do sleep 3; done
   set -- $RECIPES
   python3 -m bench.reround "$S/art-$1" "$ref" "$S/art-$1-rerounded" > "$S/reround.log" 2>&1
-  for a in $RECIPES $1-rerounded; do
-    $Q verify "$S/art-$a" --serve vllm --serve-kv auto --json > "$R/served-$a.json" 2> "$S/served-$a.log"
-    echo "== served $a rc $?"
+  for a in $1-rerounded $RECIPES $CANDS; do  # each vLLM sized for its rows: side by side
+    ( $Q verify "$S/art-$a" --serve vllm --serve-kv auto --json > "$R/served-$a.json" \
+        2> "$S/served-$a.log"; echo "== served $a rc $?" ) &
+    sleep 20
   done
-  for a in $RECIPES; do
+  wait
+  for a in $RECIPES; do  # alone on the GPU: the second finds the reference's figures cached
     $Q verify "$S/art-$a" --serve vllm --serve-kv auto --perf --reference "$ref" \
       --perf-raw "$R/perf-raw-$a" --json > "$R/perf-$a.json" 2> "$S/perf-$a.log"
     echo "== perf $a rc $?"
@@ -52,7 +57,7 @@ start)
   [ -e .qship-gpu ] || ln -s "$S/qship-gpu" .qship-gpu
   [ -f "$G" ] || python3 tools/offline.py join "$S" "$G" || exit 1
   rm -f "$S"/*.part0*
-  setsid nohup bash -c "$(declare -f job); S=$S G=$G L=$L Q='$Q' R=$R RECIPES='$RECIPES' job \
+  setsid nohup bash -c "$(declare -f job); S=$S G=$G L=$L Q='$Q' R=$R RECIPES='$RECIPES' CANDS='$CANDS' job \
     > $S/job.log 2>&1; touch $S/job.done" > /dev/null 2>&1 < /dev/null &
   sleep 5; tail -n 3 "$S/job.log"
   ;;
