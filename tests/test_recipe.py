@@ -63,6 +63,18 @@ def test_cpu_recipe_is_the_default_plan_with_a_smaller_calibration_set():
     assert c["num_samples"] * c["seq_len"] < f["num_samples"] * f["seq_len"]
 
 
+def test_imatrix_beside_awq_is_refused_before_any_stage_runs():
+    """llm-compressor 0.14 fails at layer 0 on imatrix_mse beside an AWQ group: the recipe is
+    refused when it is read, naming the field, while imatrix without AWQ still loads."""
+    data = _base()
+    data["groups"][1]["scheme"]["observer"] = "imatrix_mse"
+    with pytest.raises(RecipeError, match=r"groups\[1\]\.scheme\.observer.*AWQ"):
+        parse_recipe(data)
+    data["groups"][0]["method"] = "gptq"
+    data["groups"][0].pop("options")
+    assert parse_recipe(data).groups[1].scheme.observer == "imatrix_mse"
+
+
 def test_all_recipes_load_with_gates_and_comment():
     assert {p.stem for p in RECIPES} == EXPECTED
     for p in RECIPES:

@@ -360,6 +360,21 @@ class Recipe(_Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _no_imatrix_beside_awq(self) -> Recipe:
+        # llm-compressor 0.14 fails at layer 0 on such a recipe ("'IMatrixMSEObserver' object
+        # has no attribute '_imatrix_sum'"), after the recipe, fetch and tokens stages ran
+        if not any(g.method == "awq" for g in self.groups):
+            return self
+        for i, g in enumerate(self.groups):
+            if g.scheme and g.scheme.observer == "imatrix_mse":
+                raise ValueError(
+                    f"groups[{i}].scheme.observer: imatrix_mse does not run beside an AWQ group "
+                    "in llm-compressor 0.14; use observer: mse, or quantize the AWQ group's "
+                    "layers with GPTQ"
+                )
+        return self
+
     @property
     def path(self) -> str:
         return self._path or "<recipe>"
