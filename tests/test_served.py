@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from factories import resum
 
 from bench.reround import rerounded
 from tests.cli_run import qship
@@ -88,7 +89,7 @@ def altered(art: Path, dest: Path) -> Path:
     prov = json.loads((bad / "provenance.json").read_text())
     prov["quantized_model_hash"] = model_hash(hash_files(bad, list_files(bad)))
     (bad / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
-    _resum(bad)  # SHA256SUMS, the BOM and the statements restated too
+    resum(bad)  # SHA256SUMS, the BOM and the statements restated too
     return bad
 
 
@@ -136,7 +137,7 @@ def test_weights_rounded_otherwise_fail_verify_serve_despite_the_fp8_kv_cache(
     assert rc == 0 and ok["served"]["served_vs_measured"]["kl_mean"] < 1e-6, ok
     share = kv_part(KVShare.model_validate(ev["kv_cache_share"]))
     assert 0 < share < 1
-    bad = rerounded(art, tiny_llama, tmp_path / "rerounded", resum=_resum)
+    bad = rerounded(art, tiny_llama, tmp_path / "rerounded", resum=resum)
     assert qship(capsys, "verify", str(bad))[0] == 0  # checksums and headers cannot tell
     rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu")
     assert rc == GATE_FAILED, err
@@ -235,12 +236,6 @@ def test_fp8_query_rounding(tiny_llama, tmp_path):
     assert torch.equal(off, off_wrapped)  # weights-only pass: no query rounding
 
 
-def _resum(art: Path) -> None:
-    from factories import resum
-
-    resum(art)
-
-
 @pytest.mark.parametrize("damage", ["nan", "nan-and-eval-sha", "empty", "out-of-vocab"])
 def test_the_served_check_cannot_pass_on_a_garbage_measured_file(
     served_artifact, tmp_path, capsys, damage
@@ -276,7 +271,7 @@ def test_the_served_check_cannot_pass_on_a_garbage_measured_file(
         prov = json.loads((bad / "provenance.json").read_text())  # and provenance's hash of it
         prov["records"]["eval.json"] = sha256_file(bad / "eval.json").sha256
         (bad / "provenance.json").write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
-    _resum(bad)
+    resum(bad)
     rc, err = qship(capsys, "verify", str(bad), "--serve", "transformers", "--device", "cpu")
     assert rc == 3, err
     assert err["path"].endswith("measured.safetensors")
